@@ -1,0 +1,1 @@
+"""HF <-> NNX key mapping, HF directory loading, Orbax conversion and training checkpoints."""

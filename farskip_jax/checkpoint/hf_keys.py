@@ -1,0 +1,115 @@
+"""The one table between HF DeepseekV2 tensor names and our NNX parameter paths.
+
+Each `ParamSpec` names one parameter of our model, the HF tensor(s) it comes from, and the
+exact layout transforms in both directions. Routed experts are one stacked [E, ...] array
+here and E separate tensors in HF files (`mlp.experts.N.gate_proj.weight`). HF stores linear
+weights as [out, in]; we store [in, out] and split head dimensions out ([D, H, K]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from farskip_jax.config import ModelConfig
+
+Path = tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    path: Path  # NNX state path, e.g. ("layers", 3, "moe", "experts", "w_gate")
+    shape: tuple[int, ...]  # our shape
+    hf_keys: tuple[str, ...]  # one key, or one per expert for stacked routed experts
+    hf_shape: tuple[int, ...]  # shape of each HF tensor
+    to_ours: Callable[[list[np.ndarray]], np.ndarray]
+    to_hf: Callable[[np.ndarray], list[np.ndarray]]
+
+    @property
+    def name(self) -> str:
+        return "/".join(str(p) for p in self.path)
+
+
+def _same(shape):
+    return dict(to_ours=lambda ts: ts[0], to_hf=lambda a: [a], hf_shape=shape)
+
+
+def _linear(d_in, d_out):
+    """HF [out, in] <-> ours [in, out]."""
+    return dict(to_ours=lambda ts: ts[0].T, to_hf=lambda a: [a.T], hf_shape=(d_out, d_in))
+
+
+def _heads_out(d_in, h, k):
+    """HF [H*K, in] <-> ours [in, H, K] (columns are head-major in HF)."""
+    return dict(to_ours=lambda ts: ts[0].T.reshape(d_in, h, k), to_hf=lambda a: [a.reshape(d_in, h * k).T],
+                hf_shape=(h * k, d_in))
+
+
+def _heads_in(h, v, d_out):
+    """HF o_proj [out, H*V] <-> ours [H, V, out]."""
+    return dict(to_ours=lambda ts: ts[0].T.reshape(h, v, d_out), to_hf=lambda a: [a.reshape(h * v, d_out).T],
+                hf_shape=(d_out, h * v))
+
+
+def _stacked(d_in, d_out):
+    """E HF tensors [out, in] <-> ours [E, in, out]."""
+    return dict(to_ours=lambda ts: np.stack([t.T for t in ts]), to_hf=lambda a: [w.T for w in a],
+                hf_shape=(d_out, d_in))
+
+
+def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
+    """Every parameter of the model for `cfg`, in a stable order."""
+    d, h, e = cfg.hidden_size, cfg.num_heads, cfg.n_routed_experts
+    specs: list[ParamSpec] = []
+
+    def add(path, shape, key, t):
+        keys = tuple(key) if isinstance(key, list) else (key,)
+        specs.append(ParamSpec(path=path, shape=tuple(shape), hf_keys=keys, **t))
+
+    add(("embed",), (cfg.vocab_size, d), "model.embed_tokens.weight", _same((cfg.vocab_size, d)))
+    for i in range(cfg.num_layers):
+        p, L = f"model.layers.{i}", ("layers", i)
+        add(L + ("input_norm", "scale"), (d,), f"{p}.input_layernorm.weight", _same((d,)))
+        add(L + ("post_attn_norm", "scale"), (d,), f"{p}.post_attention_layernorm.weight", _same((d,)))
+        a, A = f"{p}.self_attn", L + ("attn",)
+        qk = cfg.qk_head_dim
+        if cfg.q_lora_rank is None:
+            add(A + ("q_proj",), (d, h, qk), f"{a}.q_proj.weight", _heads_out(d, h, qk))
+        else:
+            r = cfg.q_lora_rank
+            add(A + ("q_a_proj",), (d, r), f"{a}.q_a_proj.weight", _linear(d, r))
+            add(A + ("q_a_norm", "scale"), (r,), f"{a}.q_a_layernorm.weight", _same((r,)))
+            add(A + ("q_b_proj",), (r, h, qk), f"{a}.q_b_proj.weight", _heads_out(r, h, qk))
+        c, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        add(A + ("kv_a_proj",), (d, c + rope), f"{a}.kv_a_proj_with_mqa.weight", _linear(d, c + rope))
+        add(A + ("kv_a_norm", "scale"), (c,), f"{a}.kv_a_layernorm.weight", _same((c,)))
+        nv = cfg.qk_nope_head_dim + cfg.v_head_dim
+        add(A + ("kv_b_proj",), (c, h, nv), f"{a}.kv_b_proj.weight", _heads_out(c, h, nv))
+        add(A + ("o_proj",), (h, cfg.v_head_dim, d), f"{a}.o_proj.weight", _heads_in(h, cfg.v_head_dim, d))
+        m = f"{p}.mlp"
+        if cfg.is_moe_layer(i):
+            f, M = cfg.moe_intermediate_size, L + ("moe",)
+            add(M + ("router",), (d, e), f"{m}.gate.weight", _linear(d, e))
+            for ours, theirs, (di, do) in (("w_gate", "gate_proj", (d, f)), ("w_up", "up_proj", (d, f)),
+                                           ("w_down", "down_proj", (f, d))):
+                keys = [f"{m}.experts.{j}.{theirs}.weight" for j in range(e)]
+                add(M + ("experts", ours), (e, di, do), keys, _stacked(di, do))
+            if cfg.n_shared_experts > 0:
+                fs = f * cfg.n_shared_experts
+                for ours, (di, do) in (("gate_proj", (d, fs)), ("up_proj", (d, fs)), ("down_proj", (fs, d))):
+                    add(M + ("shared", ours), (di, do), f"{m}.shared_experts.{ours}.weight", _linear(di, do))
+        else:
+            fd = cfg.intermediate_size
+            for ours, (di, do) in (("gate_proj", (d, fd)), ("up_proj", (d, fd)), ("down_proj", (fd, d))):
+                add(L + ("mlp", ours), (di, do), f"{m}.{ours}.weight", _linear(di, do))
+    add(("final_norm", "scale"), (d,), "model.norm.weight", _same((d,)))
+    if not cfg.tie_word_embeddings:
+        add(("lm_head",), (d, cfg.vocab_size), "lm_head.weight", _linear(d, cfg.vocab_size))
+    return specs
+
+
+def hf_key_index(specs: list[ParamSpec]) -> dict[str, tuple[ParamSpec, int]]:
+    """HF key -> (spec, position among that spec's keys)."""
+    return {k: (s, j) for s in specs for j, k in enumerate(s.hf_keys)}

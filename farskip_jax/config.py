@@ -1,0 +1,533 @@
+"""Declarative configuration: frozen dataclasses, YAML files, HF config.json, dotted CLI overrides.
+
+Every field is validated when a config is built. An unknown key or a bad value raises
+`ConfigError` naming the dotted key and what is allowed, so a typo in a YAML file or in
+`--set model.num_layers=4` fails loudly instead of being ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is invalid; the message names the key."""
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """YaRN RoPE scaling as DeepSeek-V2 defines it (`rope_scaling` in its config.json)."""
+
+    type: Literal["yarn"] = "yarn"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class FarSkipConfig:
+    """Which layers use FarSkip connectivity (FARSKIP.md section 1).
+
+    `start_idx`/`end_idx` are inclusive layer indices, as in Instella-MoE's HF config keys
+    `farskip_start_idx`/`farskip_end_idx`; None means the first/last layer. `first_n`/`last_n`
+    are conveniences for the paper's Fig. 3 experiments and override the range.
+    """
+
+    enabled: bool = False
+    start_idx: int | None = None
+    end_idx: int | None = None
+    attn_only: bool = False
+    mlp_only: bool = False
+    first_n: int | None = None
+    last_n: int | None = None
+
+    def layer_range(self, num_layers: int) -> range:
+        """Indices of the layers with FarSkip connectivity (empty when disabled)."""
+        if not self.enabled:
+            return range(0)
+        if self.first_n is not None:
+            return range(0, min(self.first_n, num_layers))
+        if self.last_n is not None:
+            return range(max(num_layers - self.last_n, 0), num_layers)
+        start = 0 if self.start_idx is None else self.start_idx
+        end = num_layers - 1 if self.end_idx is None else self.end_idx
+        return range(start, end + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """DeepSeek-V2 family hyper-parameters (names follow HF's DeepseekV2Config where one exists)."""
+
+    vocab_size: int = 102400
+    hidden_size: int = 2048
+    intermediate_size: int = 10944
+    moe_intermediate_size: int = 1408
+    num_layers: int = 27
+    num_heads: int = 16
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    n_routed_experts: int = 64
+    n_shared_experts: int = 2
+    num_experts_per_tok: int = 6
+    first_k_dense_replace: int = 1
+    moe_layer_freq: int = 1
+    routing: Literal["greedy", "group_limited_greedy"] = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # DeepSeek's original code normalises the top-k weights when this is set (and then does not
+    # apply routed_scaling_factor); HF's port ignores the key. We follow DeepSeek's code.
+    norm_topk_prob: bool = False
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 163840
+    tie_word_embeddings: bool = False
+    # Auxiliary balance losses of DeepSeek-V2 (expert level, device level); returned, never
+    # added by the model itself.
+    aux_loss_alpha: float = 0.001
+    seq_aux: bool = True
+    device_aux_loss_alpha: float = 0.0
+    aux_device_groups: int = 1
+    # Routed-expert token capacity per expert = ceil(capacity_factor * tokens * top_k / experts);
+    # <= 0 means dropless (capacity covers the worst case: every token to one expert).
+    capacity_factor: float = 0.0
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    remat: Literal["none", "full", "save_dots"] = "none"
+    farskip: FarSkipConfig = dataclasses.field(default_factory=FarSkipConfig)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def is_moe_layer(self, idx: int) -> bool:
+        return idx >= self.first_k_dense_replace and idx % self.moe_layer_freq == 0
+
+    def validate(self) -> None:
+        positive = ["vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                    "num_layers", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                    "v_head_dim", "n_routed_experts", "num_experts_per_tok", "moe_layer_freq",
+                    "n_group", "topk_group", "aux_device_groups"]
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name} must be > 0, got {getattr(self, name)}")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"model.qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ConfigError(
+                f"model.num_experts_per_tok ({self.num_experts_per_tok}) exceeds "
+                f"model.n_routed_experts ({self.n_routed_experts})")
+        if self.routing == "group_limited_greedy":
+            if self.n_routed_experts % self.n_group:
+                raise ConfigError(f"model.n_group ({self.n_group}) must divide n_routed_experts "
+                                  f"({self.n_routed_experts})")
+            if not 1 <= self.topk_group <= self.n_group:
+                raise ConfigError(f"model.topk_group must be in [1, n_group={self.n_group}], "
+                                  f"got {self.topk_group}")
+            if self.topk_group * (self.n_routed_experts // self.n_group) < self.num_experts_per_tok:
+                raise ConfigError("model.topk_group groups hold fewer experts than num_experts_per_tok")
+        fs = self.farskip
+        if fs.attn_only and fs.mlp_only:
+            raise ConfigError("model.farskip.attn_only and model.farskip.mlp_only are exclusive")
+        if fs.first_n is not None and fs.last_n is not None:
+            raise ConfigError("model.farskip.first_n and model.farskip.last_n are exclusive")
+        for name in ("start_idx", "end_idx"):
+            v = getattr(fs, name)
+            if v is not None and not 0 <= v < self.num_layers:
+                raise ConfigError(f"model.farskip.{name} must be in [0, {self.num_layers - 1}], got {v}")
+        if fs.start_idx is not None and fs.end_idx is not None and fs.start_idx > fs.end_idx:
+            raise ConfigError(f"model.farskip.start_idx ({fs.start_idx}) > end_idx ({fs.end_idx})")
+        for name in ("first_n", "last_n"):
+            v = getattr(fs, name)
+            if v is not None and not 0 <= v <= self.num_layers:
+                raise ConfigError(f"model.farskip.{name} must be in [0, {self.num_layers}], got {v}")
+
+    # ---- HF config.json <-> ModelConfig ------------------------------------------------------
+
+    @classmethod
+    def from_hf_dict(cls, hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
+        """Builds a config from an HF DeepseekV2 config.json (both rope generations).
+
+        FarSkip keys (`farskip`, `farskip_start_idx`, `farskip_end_idx`, `attn_only_farskip`,
+        `mlp_only_farskip`) are read as Instella-MoE writes them.
+        """
+        arch = hf.get("architectures") or []
+        if any("Instella" in a for a in arch) or hf.get("gated_attention"):
+            raise ConfigError(
+                f"config.json architectures={arch}: gated-attention (Instella-MoE) checkpoints are not "
+                "DeepSeek-V2 and are not supported; loading them as DeepSeek-V2 would run the wrong model")
+        method = hf.get("topk_method") or "greedy"
+        allowed = ("greedy", "group_limited_greedy")
+        if method not in allowed:
+            raise ConfigError(f"config.json topk_method={method!r} is not supported; allowed: {allowed}")
+        rope_scaling, rope_theta = _rope_from_hf(hf)
+        kw: dict[str, Any] = dict(
+            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"], moe_intermediate_size=hf["moe_intermediate_size"],
+            num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+            q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
+            qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+            v_head_dim=hf["v_head_dim"], n_routed_experts=hf["n_routed_experts"],
+            n_shared_experts=hf.get("n_shared_experts") or 0,
+            num_experts_per_tok=hf["num_experts_per_tok"],
+            first_k_dense_replace=hf.get("first_k_dense_replace", 0),
+            moe_layer_freq=hf.get("moe_layer_freq", 1), routing=method,
+            n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
+            rope_scaling=rope_scaling, max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            aux_loss_alpha=float(hf.get("aux_loss_alpha", 0.001)), seq_aux=bool(hf.get("seq_aux", True)),
+            farskip=FarSkipConfig(
+                enabled=bool(hf.get("farskip", False)), start_idx=hf.get("farskip_start_idx"),
+                end_idx=hf.get("farskip_end_idx"), attn_only=bool(hf.get("attn_only_farskip", False)),
+                mlp_only=bool(hf.get("mlp_only_farskip", False))),
+        )
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"config.json hidden_act={hf['hidden_act']!r}: only 'silu' is supported")
+        if hf.get("attention_bias") or hf.get("mlp_bias"):
+            raise ConfigError("config.json attention_bias/mlp_bias=true is not supported by DeepSeek-V2")
+        merged = _apply_overrides(_to_dict(cls(**kw)), overrides, prefix="model")
+        return from_dict(cls, merged, "model")
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """An HF DeepseekV2 config.json (transformers 5 `rope_parameters` and legacy `rope_scaling`)."""
+        rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
+        if self.rope_scaling is not None:
+            rs = self.rope_scaling
+            rope = {"rope_theta": self.rope_theta, "rope_type": "yarn", "factor": rs.factor,
+                    "original_max_position_embeddings": rs.original_max_position_embeddings,
+                    "beta_fast": rs.beta_fast, "beta_slow": rs.beta_slow, "mscale": rs.mscale,
+                    "mscale_all_dim": rs.mscale_all_dim}
+        fs = self.farskip
+        fs_range = fs.layer_range(self.num_layers)
+        return {
+            "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "moe_intermediate_size": self.moe_intermediate_size,
+            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_heads, "q_lora_rank": self.q_lora_rank,
+            "kv_lora_rank": self.kv_lora_rank, "qk_nope_head_dim": self.qk_nope_head_dim,
+            "qk_rope_head_dim": self.qk_rope_head_dim, "v_head_dim": self.v_head_dim,
+            "n_routed_experts": self.n_routed_experts, "n_shared_experts": self.n_shared_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "first_k_dense_replace": self.first_k_dense_replace, "moe_layer_freq": self.moe_layer_freq,
+            "topk_method": self.routing, "n_group": self.n_group, "topk_group": self.topk_group,
+            "routed_scaling_factor": self.routed_scaling_factor, "norm_topk_prob": self.norm_topk_prob,
+            "rms_norm_eps": self.rms_norm_eps, "rope_parameters": rope,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings, "hidden_act": "silu",
+            "attention_bias": False, "mlp_bias": False, "aux_loss_alpha": self.aux_loss_alpha,
+            "seq_aux": self.seq_aux, "bos_token_id": 100000, "eos_token_id": 100001,
+            "dtype": "bfloat16" if self.param_dtype == "bfloat16" else "float32",
+            # FarSkip keys as Instella-MoE writes them, for FarSkip-aware serving code.
+            "farskip": bool(fs.enabled and len(fs_range) > 0),
+            "farskip_start_idx": fs_range.start if fs.enabled and len(fs_range) else None,
+            "farskip_end_idx": fs_range.stop - 1 if fs.enabled and len(fs_range) else None,
+            "attn_only_farskip": fs.attn_only, "mlp_only_farskip": fs.mlp_only,
+        }
+
+
+def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[RopeScaling | None, float]:
+    """Reads `rope_scaling` (published DeepSeek-V2) or `rope_parameters` (transformers 5)."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return None, theta
+    if kind != "yarn":
+        raise ConfigError(f"config.json rope type {kind!r} is not supported; allowed: 'default', 'yarn'")
+    return RopeScaling(
+        factor=float(params["factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+        mscale=float(params.get("mscale") or 1.0), mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+    ), theta
+
+
+# --------------------------------------------------------------------------------------------
+# Parallelism, training, data, evaluation: the trainer's sections
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh. `data` x `expert` devices hold different tokens (training EP); `tensor` splits
+    attention heads and experts over one group that shares its activations (inference TP)."""
+
+    data: int = 1
+    expert: int = 1
+    tensor: int = 1
+    # Unrolled layers leave XLA free to overlap layer k's Combine with layer k+1's attention.
+    layer_loop: Literal["unrolled", "scan"] = "unrolled"
+
+    def validate(self) -> None:
+        for name in ("data", "expert", "tensor"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"mesh.{name} must be >= 1, got {getattr(self, name)}")
+        if self.tensor > 1 and self.expert > 1:
+            raise ConfigError("mesh.tensor > 1 and mesh.expert > 1 together are not supported: the TP "
+                              "layout splits experts over the tensor axis itself")
+
+    @property
+    def num_devices(self) -> int:
+        return self.data * self.expert * self.tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and loss settings for `train.py`."""
+
+    mode: Literal["fcsd", "sft", "lm"] = "fcsd"
+    kl_temperature: float = 1.0
+    hidden_l2_weight: float = 0.0
+    kl_chunk_tokens: int = 1024
+    aux_loss: bool = False
+    teacher_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    teacher_cache: str | None = None
+    teacher_topk: int = 64
+    learning_rate: float = 1e-5
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 1000
+    total_steps: int = 10000
+    weight_decay: float = 0.1
+    adam_b1: float = 0.9
+    adam_b2: float = 0.95
+    grad_clip_norm: float = 1.0
+    grad_accum_steps: int = 1
+    seed: int = 0
+    log_every: int = 10
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 3
+    eval_every: int = 1000
+    eval_batches: int = 4
+    patience: int = 20
+    drop_threshold: float = 0.02
+    max_nonfinite_in_row: int = 5
+    spike_factor: float = 3.0
+    output_dir: str = "runs/default"
+    init_checkpoint: str | None = None
+
+    def validate(self) -> None:
+        for name in ("warmup_steps", "kl_chunk_tokens", "grad_accum_steps", "log_every",
+                     "checkpoint_every", "keep_checkpoints", "eval_every", "patience",
+                     "max_nonfinite_in_row", "teacher_topk"):
+            if getattr(self, name) < (0 if name == "warmup_steps" else 1):
+                raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
+        if self.total_steps < 1:
+            raise ConfigError(f"train.total_steps must be >= 1, got {self.total_steps}")
+        if self.kl_temperature <= 0:
+            raise ConfigError(f"train.kl_temperature must be > 0, got {self.kl_temperature}")
+        if not 0 <= self.drop_threshold < 1:
+            raise ConfigError(f"train.drop_threshold must be in [0, 1), got {self.drop_threshold}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The whole run: model, mesh, train, plus free-form sections owned by their subsystems."""
+
+    name: str = "unnamed"
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    data: dict = dataclasses.field(default_factory=dict)
+    demo: dict = dataclasses.field(default_factory=dict)
+
+    def validate(self) -> None:
+        self.model.validate()
+        self.mesh.validate()
+        self.train.validate()
+
+
+# --------------------------------------------------------------------------------------------
+# Generic dict <-> dataclass with validation
+
+
+def _to_dict(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    return obj
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A plain nested dict of a config dataclass (for YAML dumps and checkpoints)."""
+    return _to_dict(cfg)
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Checks `value` against annotation `tp`, converting YAML/CLI scalars where unambiguous."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not allowed; allowed values: {list(allowed)}")
+        return value
+    if origin in (types.UnionType, typing.Union):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}={value!r} is invalid")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key} must be a mapping of {tp.__name__} fields, got {value!r}")
+        return from_dict(tp, value, key)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}={value!r} must be true or false")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}={value!r} must be an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key}={value!r} must be a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}={value!r} must be a string")
+        return value
+    if tp is dict or origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return dict(value)
+    return value
+
+
+def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
+    """Builds dataclass `cls` from a mapping, rejecting unknown keys with the allowed ones."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        raise ConfigError(f"unknown config key {key!r}; allowed keys under {prefix or 'the top level'}: "
+                          f"{sorted(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else name
+        kwargs[name] = _coerce(value, hints[name], key)
+    obj = cls(**kwargs)
+    if hasattr(obj, "validate") and cls is not Config:
+        obj.validate()
+    return obj
+
+
+def _parse_scalar(text: str) -> Any:
+    """CLI override values are YAML scalars: 4, 1e-5, true, null, greedy, [1, 2]."""
+    return yaml.safe_load(text)
+
+
+def _apply_overrides(base: dict[str, Any], overrides: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = json.loads(json.dumps(base))  # deep copy of plain data
+    for dotted, value in overrides.items():
+        parts = dotted.split(".")
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            if not isinstance(node.get(part), dict):
+                if node.get(part) is None and part in node:
+                    node[part] = {}
+                else:
+                    where = ".".join(([prefix] if prefix else []) + parts[: i + 1])
+                    raise ConfigError(f"unknown config key {where!r}")
+            node = node[part]
+        node[parts[-1]] = value
+    return out
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """`["model.num_layers=4", "train.mode=sft"]` -> {"model.num_layers": 4, "train.mode": "sft"}."""
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. model.num_layers=4")
+        key, _, text = item.partition("=")
+        out[key.strip()] = _parse_scalar(text)
+    return out
+
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    """A config name (`dsv2lite_farskip`) from configs/, or a path to a YAML file."""
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") and p.exists():
+        return p
+    for candidate in (CONFIG_DIR / f"{name_or_path}.yaml", Path(f"{name_or_path}.yaml")):
+        if candidate.exists():
+            return candidate
+    names = sorted(q.stem for q in CONFIG_DIR.glob("*.yaml")) if CONFIG_DIR.exists() else []
+    raise ConfigError(f"config {name_or_path!r} not found; known configs: {names}")
+
+
+def _load_yaml_tree(path: Path) -> dict[str, Any]:
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    parent = _load_yaml_tree(resolve_config_path(str(base)))
+    return _deep_merge(parent, data)
+
+
+def _deep_merge(a: dict[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(name_or_path: str, overrides: Mapping[str, Any] | None = None) -> Config:
+    """Loads a YAML config (with optional `base:` inheritance) and applies dotted overrides."""
+    path = resolve_config_path(name_or_path)
+    tree = _load_yaml_tree(path)
+    tree.setdefault("name", path.stem)
+    base = _to_dict(from_dict(Config, tree))
+    merged = _apply_overrides(base, overrides or {})
+    cfg = from_dict(Config, merged)
+    cfg.validate()
+    return cfg
+
+
+def load_hf_config(path: str | os.PathLike) -> ModelConfig:
+    """Reads `config.json` from an HF checkpoint directory (or the file itself)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.exists():
+        raise ConfigError(f"{p}: no config.json")
+    with open(p) as f:
+        return ModelConfig.from_hf_dict(json.load(f))

@@ -1,0 +1,74 @@
+"""Multi-head latent attention (MLA) of DeepSeek-V2, with q-LoRA on or off.
+
+Shape legend: B batch, T query tokens, S key tokens, D model width, H heads (local heads under
+tensor parallelism: every head count is read from the weights, never from the config),
+K = qk_nope + qk_rope head dim, N qk_nope, R qk_rope, V v head dim, C kv_lora_rank, Q q_lora_rank.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from farskip_jax.config import ModelConfig
+from farskip_jax.model.layers import DTYPES, RMSNorm, apply_rope, normal_init, rope_tables, softmax_scale
+
+
+def attention_core(q_bthk: jax.Array, k_bshk: jax.Array, v_bshv: jax.Array, segment_ids_bt: jax.Array,
+                   scale: float) -> jax.Array:
+    """Causal softmax attention that never crosses packed documents (equal segment ids only).
+
+    Written with einsums rather than a fused kernel: MLA's V head dim differs from its QK head
+    dim, and this form compiles the same on CPU, CUDA and ROCm. Softmax runs in fp32.
+    """
+    t = q_bthk.shape[1]
+    scores = jnp.einsum("bthk,bshk->bhts", q_bthk, k_bshk, preferred_element_type=jnp.float32) * scale
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    same_doc = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+    mask = causal[None] & same_doc  # [B, T, S]
+    scores = jnp.where(mask[:, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bshv.dtype)
+    return jnp.einsum("bhts,bshv->bthv", probs, v_bshv)
+
+
+class MLAttention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        pd = DTYPES[cfg.param_dtype]
+        d, h = cfg.hidden_size, cfg.num_heads
+        if cfg.q_lora_rank is None:
+            self.q_proj = normal_init(rngs, (d, h, cfg.qk_head_dim), pd)
+        else:
+            self.q_a_proj = normal_init(rngs, (d, cfg.q_lora_rank), pd)
+            self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, pd)
+            self.q_b_proj = normal_init(rngs, (cfg.q_lora_rank, h, cfg.qk_head_dim), pd)
+        self.kv_a_proj = normal_init(rngs, (d, cfg.kv_lora_rank + cfg.qk_rope_head_dim), pd)
+        self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, pd)
+        self.kv_b_proj = normal_init(rngs, (cfg.kv_lora_rank, h, cfg.qk_nope_head_dim + cfg.v_head_dim), pd)
+        self.o_proj = normal_init(rngs, (h, cfg.v_head_dim, d), pd)
+        self.cfg = cfg
+
+    def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array) -> jax.Array:
+        """Returns the attention output [B, T, D] (a partial sum over heads under TP)."""
+        cfg, dt = self.cfg, x_btd.dtype
+        n, c = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        with jax.named_scope("qkv_proj"):
+            if cfg.q_lora_rank is None:
+                q = jnp.einsum("btd,dhk->bthk", x_btd, self.q_proj[...].astype(dt))
+            else:
+                q_lat = self.q_a_norm(x_btd @ self.q_a_proj[...].astype(dt))
+                q = jnp.einsum("btq,qhk->bthk", q_lat, self.q_b_proj[...].astype(dt))
+            kv_a = x_btd @ self.kv_a_proj[...].astype(dt)
+            kv_lat, k_rope = self.kv_a_norm(kv_a[..., :c]), kv_a[..., c:]
+            kv = jnp.einsum("btc,chk->bthk", kv_lat, self.kv_b_proj[...].astype(dt))
+            k_nope, v = kv[..., :n], kv[..., n:]
+            inv_freq, magnitude = rope_tables(cfg)
+            q_rope = apply_rope(q[..., n:], positions_bt, inv_freq, magnitude)
+            k_rope = apply_rope(k_rope, positions_bt, inv_freq, magnitude)  # one head, shared
+            q = jnp.concatenate([q[..., :n], q_rope], axis=-1)
+            k_rope = jnp.broadcast_to(k_rope[:, :, None], k_nope.shape[:3] + k_rope.shape[-1:])
+            k = jnp.concatenate([k_nope, k_rope], axis=-1)
+        with jax.named_scope("core"):
+            out = attention_core(q, k, v, segment_ids_bt, softmax_scale(cfg))
+        with jax.named_scope("o_proj"):
+            return jnp.einsum("bthv,hvd->btd", out, self.o_proj[...].astype(dt))

@@ -1,0 +1,149 @@
+"""DeepSeek-V2 decoder: embedding, layer stack wired by `residual_step`, final norm, LM head.
+
+Shape legend: B batch, T tokens, D model width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from farskip_jax.config import ModelConfig
+from farskip_jax.model.attention import MLAttention
+from farskip_jax.model.farskip import Connectivity, FFNOut, ReduceFn, layer_connectivity, residual_step
+from farskip_jax.model.layers import DTYPES, MLP, RMSNorm, normal_init
+from farskip_jax.model.moe import MoE, RoutedFn, local_routed
+
+
+class Parallelism(Protocol):
+    """What a sharded execution plugs into the model (see farskip_jax.parallel)."""
+
+    routed_fn: RoutedFn
+    reduce: ReduceFn | None
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, idx: int, rngs: nnx.Rngs):
+        pd = DTYPES[cfg.param_dtype]
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
+        self.attn = MLAttention(cfg, rngs)
+        self.is_moe = cfg.is_moe_layer(idx)
+        if self.is_moe:
+            self.moe = MoE(cfg, rngs)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg, rngs)
+
+    def __call__(self, x: jax.Array, y: jax.Array | None, positions: jax.Array, segment_ids: jax.Array,
+                 conn: Connectivity, routed_fn: RoutedFn, reduce: ReduceFn | None):
+        def attn(h):
+            with jax.named_scope("attention"):
+                return self.attn(self.input_norm(h), positions, segment_ids)
+
+        def ffn(h):
+            h = self.post_attn_norm(h)
+            if self.is_moe:
+                shared, routed, aux = self.moe(h, routed_fn)
+                return FFNOut(shared, routed, aux)
+            with jax.named_scope("mlp"):
+                return FFNOut(None, self.mlp(h), {})
+
+        return residual_step(x, y, conn, self.is_moe, attn, ffn, reduce)
+
+
+class ModelOutput(NamedTuple):
+    logits: jax.Array | None  # [B, T, V] float32 (None when only hidden states were asked for)
+    hidden: jax.Array  # final-normed hidden states [B, T, D]
+    aux: dict[str, jax.Array]  # summed balance losses, mean dropped fraction
+    layer_outputs: tuple[jax.Array, ...]  # residual stream x after each layer (for hidden-state L2)
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        cfg.validate()
+        pd = DTYPES[cfg.param_dtype]
+        self.cfg = cfg
+        self.embed = normal_init(rngs, (cfg.vocab_size, cfg.hidden_size), pd)
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs) for i in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = normal_init(rngs, (cfg.hidden_size, cfg.vocab_size), pd)
+
+    def connectivity(self) -> list[Connectivity]:
+        return layer_connectivity(self.cfg)
+
+    def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None, *, parallel: Parallelism | None = None,
+                 compute_logits: bool = True) -> ModelOutput:
+        cfg = self.cfg
+        dt = DTYPES[cfg.dtype]
+        b, t = input_ids.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if segment_ids is None:
+            segment_ids = jnp.ones((b, t), jnp.int32)
+        routed_fn = parallel.routed_fn if parallel is not None else local_routed
+        reduce = parallel.reduce if parallel is not None else None
+
+        x = jnp.take(self.embed[...], input_ids, axis=0).astype(dt)
+        y = None
+        aux_sum: dict[str, Any] = {}
+        outputs = []
+        for i, (layer, conn) in enumerate(zip(self.layers, self.connectivity(), strict=True)):
+            with jax.named_scope(f"layer_{i}"):
+                x, y, aux = _maybe_remat(layer, cfg.remat)(x, y, positions, segment_ids, conn, routed_fn,
+                                                           reduce)
+            for k, v in aux.items():
+                aux_sum[k] = aux_sum.get(k, 0.0) + v
+            outputs.append(x)
+        n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+        if "dropped_fraction" in aux_sum:
+            aux_sum["dropped_fraction"] = aux_sum["dropped_fraction"] / max(n_moe, 1)
+        hidden = self.final_norm(x)  # the final norm reads x; y is dropped
+        logits = self.logits(hidden) if compute_logits else None
+        return ModelOutput(logits, hidden, aux_sum, tuple(outputs))
+
+    def head_weights(self) -> jax.Array:
+        """The [D, V] output projection (the embedding's transpose when tied)."""
+        return self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+
+    def logits(self, hidden_btd: jax.Array) -> jax.Array:
+        with jax.named_scope("lm_head"):
+            w = self.head_weights().astype(hidden_btd.dtype)
+            return jnp.dot(hidden_btd, w, preferred_element_type=jnp.float32)
+
+
+def _maybe_remat(layer: DecoderLayer, policy: str):
+    if policy == "none":
+        return layer
+    kwargs = {}
+    if policy == "save_dots":
+        kwargs["policy"] = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    return _RematCall(layer, kwargs)
+
+
+class _RematCall:
+    """Recomputes one layer in the backward pass (nnx.remat over the layer's state)."""
+
+    def __init__(self, layer: DecoderLayer, kwargs: dict[str, Any]):
+        self.layer, self.kwargs = layer, kwargs
+
+    def __call__(self, x, y, positions, segment_ids, conn, routed_fn, reduce):
+        def run(layer, x, y, positions, segment_ids):
+            return layer(x, y, positions, segment_ids, conn, routed_fn, reduce)
+
+        return nnx.remat(run, **self.kwargs)(self.layer, x, y, positions, segment_ids)
+
+
+def build_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    """A randomly initialised model (std 0.02 normal weights, unit norms)."""
+    return Transformer(cfg, nnx.Rngs(params=seed))
+
+
+def with_farskip(cfg: ModelConfig, **farskip: Any) -> ModelConfig:
+    """The same model with other FarSkip settings, e.g. `with_farskip(cfg, enabled=True)`."""
+    return dataclasses.replace(cfg, farskip=dataclasses.replace(cfg.farskip, **farskip))
