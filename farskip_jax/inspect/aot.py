@@ -1,0 +1,158 @@
+"""Deviceless (ahead-of-time) compile for a GPU target from a CPU-only host.
+
+``make_target_mesh`` builds compile-only devices from a target spec (``farskip_jax/targets/*.txtpb``)
+through the GPU PJRT plugin's topology API; ``compile_scheduled_hlo`` lowers and compiles a jitted
+function against them and returns XLA's scheduled HLO. Nothing runs on a device.
+
+Requirements: ``JAX_PLATFORMS=cpu`` (so JAX does not try to open real GPU clients), the
+``jax-cuda13-plugin``/``-pjrt`` wheels for 'h200', and for 'mi300x' the ROCm wheels plus
+``rocm_standins.enable()`` called before JAX initialises its backends (see rocm_standins.py).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.resources
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+from jax.experimental import topologies
+
+from farskip_jax import xla_flags
+
+_PLATFORM = {"h200": "cuda", "mi300x": "rocm"}
+_SPEC_FILE = {"h200": "h200.txtpb", "mi300x": "mi300x.txtpb"}
+GPUS_PER_HOST = 8
+
+
+def load_target_file(filename: str) -> str:
+    """Text of a file shipped in farskip_jax/targets/."""
+    try:
+        return importlib.resources.files("farskip_jax.targets").joinpath(filename).read_text()
+    except (ModuleNotFoundError, FileNotFoundError, TypeError):
+        # source checkout without package metadata: fall back to the path next to this package
+        return (Path(__file__).resolve().parent.parent / "targets" / filename).read_text()
+
+
+def topology_string(num_devices: int) -> str:
+    """'<partitions>x<hosts>x<devices per host>': one host up to 8 GPUs, else 8 GPUs per host."""
+    if num_devices <= GPUS_PER_HOST:
+        return f"1x1x{num_devices}"
+    if num_devices % GPUS_PER_HOST:
+        raise ValueError(f"{num_devices} devices is not a multiple of {GPUS_PER_HOST} per host")
+    return f"1x{num_devices // GPUS_PER_HOST}x{GPUS_PER_HOST}"
+
+
+def get_target_topology(target: str, num_devices: int) -> Any:
+    """Compile-only topology of ``num_devices`` GPUs of kind ``target``."""
+    if target not in _PLATFORM:
+        raise ValueError(f"no deviceless topology for target {target!r}; use one of {sorted(_PLATFORM)}")
+    if target == "mi300x":
+        from farskip_jax.inspect import rocm_standins
+
+        rocm_standins.enable()
+    try:
+        return topologies.get_topology_desc(
+            platform=_PLATFORM[target], target_config=load_target_file(_SPEC_FILE[target]),
+            topology=topology_string(num_devices))
+    except NotImplementedError as e:
+        hint = ("install jax-cuda13-plugin/jax-cuda13-pjrt matching jaxlib" if target == "h200" else
+                "install jax-rocm7-plugin/-pjrt and call rocm_standins.enable() before JAX "
+                "initialises backends (in a fresh process)")
+        raise RuntimeError(f"deviceless {target} topology unavailable ({e}); {hint}") from e
+
+
+def make_target_mesh(target: str, mesh_shape: dict[str, int]) -> jax.sharding.Mesh:
+    """Mesh over compile-only ``target`` devices ('local' = the real ``jax.devices()``)."""
+    names, sizes = tuple(mesh_shape), tuple(mesh_shape.values())
+    n = math.prod(sizes)
+    if target == "local":
+        devs = jax.devices()
+        if len(devs) < n:
+            raise ValueError(f"mesh {mesh_shape} needs {n} devices, have {len(devs)}")
+        return jax.make_mesh(sizes, names, devices=devs[:n])
+    topo = get_target_topology(target, n)
+    return topologies.make_mesh(topo, sizes, names)
+
+
+@dataclass
+class CompiledArtifacts:
+    target: str
+    hlo_text: str
+    lower_seconds: float
+    compile_seconds: float
+    compiler_options: dict[str, Any] = field(default_factory=dict)
+    lhs_schedule_text: str | None = None  # XLA's <module>.schedule.txt, when requested
+    device_kind: str = ""
+    num_devices: int = 0
+
+    def summary(self) -> dict[str, Any]:
+        return {"target": self.target, "lower_seconds": self.lower_seconds,
+                "compile_seconds": self.compile_seconds, "compiler_options": self.compiler_options,
+                "device_kind": self.device_kind, "num_devices": self.num_devices,
+                "hlo_chars": len(self.hlo_text), "has_lhs_schedule": self.lhs_schedule_text is not None}
+
+
+def compile_scheduled_hlo(jitted_fn: Any, *arg_specs: Any, target: str,
+                          compiler_options: dict[str, Any] | None = None,
+                          default_options: bool = True, dump_lhs_schedule: bool = False,
+                          dump_dir: str | None = None) -> CompiledArtifacts:
+    """Lower ``jitted_fn`` on ``arg_specs`` (ShapeDtypeStructs with NamedShardings on a target mesh)
+    and compile; returns the scheduled HLO text and timings.
+
+    ``default_options`` adds ``xla_flags.compiler_options_for(target)``; ``compiler_options`` wins
+    over those. ``dump_lhs_schedule`` also asks XLA for its latency-hiding-scheduler dump. Both
+    ``xla_dump_to`` and ``xla_dump_latency_hiding_schedule`` work as per-compile options (checked:
+    the dump appears without touching XLA_FLAGS), so several compiles in one process are fine.
+    """
+    opts: dict[str, Any] = dict(xla_flags.compiler_options_for(target)) if default_options else {}
+    opts.update(compiler_options or {})
+    tmp = None
+    if dump_lhs_schedule:
+        if dump_dir is None:
+            tmp = tempfile.TemporaryDirectory(prefix="farskip_lhs_")
+            dump_dir = tmp.name
+        opts.update({"xla_dump_to": dump_dir, "xla_dump_latency_hiding_schedule": True})
+    # A compile-only executable cannot be read back from JAX's persistent cache ("PjRtCompiler must
+    # be constructed with a Client"), so keep deviceless compiles out of it: raising the minimum
+    # compile time stops the write (the cache-use decision itself is memoised per process).
+    min_time_key = "jax_persistent_cache_min_compile_time_secs"
+    old_min_time = getattr(jax.config, min_time_key)
+    if target != "local":
+        jax.config.update(min_time_key, 1e12)
+    try:
+        t0 = time.perf_counter()
+        lowered = jitted_fn.lower(*arg_specs)
+        t1 = time.perf_counter()
+        compiled = lowered.compile(compiler_options=opts) if opts else lowered.compile()
+        t2 = time.perf_counter()
+        text = compiled.as_text()
+        sched = None
+        if dump_lhs_schedule:
+            files = sorted(glob.glob(os.path.join(dump_dir, "*.schedule.txt")), key=os.path.getmtime)
+            if files:
+                sched = Path(files[-1]).read_text()
+    finally:
+        jax.config.update(min_time_key, old_min_time)
+        if tmp is not None:
+            tmp.cleanup()
+    devices = _devices_of(arg_specs)
+    return CompiledArtifacts(
+        target=target, hlo_text=text, lower_seconds=t1 - t0, compile_seconds=t2 - t1,
+        compiler_options={k: v for k, v in opts.items() if k != "xla_dump_to"}, lhs_schedule_text=sched,
+        device_kind=devices[0].device_kind if devices else "", num_devices=len(devices))
+
+
+def _devices_of(arg_specs: Any) -> list[Any]:
+    for leaf in jax.tree_util.tree_leaves(arg_specs):
+        sh = getattr(leaf, "sharding", None)
+        mesh = getattr(sh, "mesh", None)
+        if mesh is not None:
+            return list(mesh.devices.flat)
+    return []

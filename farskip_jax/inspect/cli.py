@@ -1,0 +1,101 @@
+"""Command-line glue for the HLO schedule inspector.
+
+The model side supplies ``build_step(mesh, mode) -> (jitted_fn, arg_specs)``; arg_specs are
+ShapeDtypeStructs with NamedShardings on ``mesh``. ``run_inspect`` compiles each mode deviceless
+for the target, analyses the scheduled HLO and writes report.json / .md / .trace.json per mode,
+plus a comparison when two modes are given (first = FarSkip, second = regular by convention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+BuildStep = Callable[[Any, str], tuple[Any, Sequence[Any]]]
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """'expert=8' or 'data=2,expert=8' -> {'data': 2, 'expert': 8}."""
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        k, sep, v = part.partition("=")
+        if not sep or not v.isdigit():
+            raise argparse.ArgumentTypeError(f"bad mesh entry {part!r}; expected name=size")
+        out[k] = int(v)
+    if not out:
+        raise argparse.ArgumentTypeError("empty mesh")
+    return out
+
+
+def _parse_option(text: str) -> tuple[str, Any]:
+    k, sep, v = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"bad compiler option {text!r}; expected name=value")
+    val: Any = v
+    if v.lower() in ("true", "false"):
+        val = v.lower() == "true"
+    elif v.lstrip("-").isdigit():
+        val = int(v)
+    return k.lstrip("-"), val
+
+
+def add_inspect_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("HLO schedule inspector")
+    g.add_argument("--target", choices=("h200", "mi300x", "local"), default="h200",
+                   help="compile-only target (deviceless) or 'local' for the real devices")
+    g.add_argument("--mesh", type=parse_mesh, default={"expert": 8}, help="e.g. expert=8 or data=4,expert=8")
+    g.add_argument("--modes", default="farskip,regular",
+                   help="comma-separated modes passed to build_step; two modes are also compared")
+    g.add_argument("--out", type=Path, default=Path("inspect_out"), help="output directory")
+    g.add_argument("--lhs-dump", action="store_true",
+                   help="also collect XLA's latency-hiding-scheduler statistics (slower: dumps the module)")
+    g.add_argument("--compiler-option", type=_parse_option, action="append", default=[],
+                   metavar="NAME=VALUE", help="extra per-compile XLA option (repeatable)")
+    g.add_argument("--no-default-options", action="store_true",
+                   help="do not add farskip_jax.xla_flags.compiler_options_for(target)")
+    g.add_argument("--save-hlo", action="store_true", help="write the scheduled HLO text per mode")
+    return parser
+
+
+def run_inspect(args: argparse.Namespace, build_step: BuildStep) -> dict[str, Any]:
+    """Compile, analyse and report every mode in ``args.modes``; returns the reports by mode."""
+    if args.target == "mi300x":
+        # must precede any JAX backend use in this process
+        from farskip_jax.inspect import rocm_standins
+
+        rocm_standins.enable()
+    from farskip_jax.inspect import aot, hlo, report
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    mesh = aot.make_target_mesh(args.target, args.mesh)
+    reports: dict[str, Any] = {}
+    for mode in modes:
+        fn, specs = build_step(mesh, mode)
+        art = aot.compile_scheduled_hlo(fn, *specs, target=args.target,
+                                        compiler_options=dict(args.compiler_option),
+                                        default_options=not args.no_default_options,
+                                        dump_lhs_schedule=args.lhs_dump)
+        analysis = hlo.analyze(art.hlo_text, args.target, art.lhs_schedule_text)
+        meta = {"mode": mode, "mesh": args.mesh, **art.summary()}
+        paths = report.write_reports(analysis, out, name=f"report_{mode}", meta=meta)
+        if args.save_hlo:
+            (out / f"scheduled_{mode}.hlo.txt").write_text(art.hlo_text)
+        reports[mode] = report.build_report(analysis, meta)
+        t = analysis.totals["all"]
+        print(f"[{mode}] compile {art.compile_seconds:.2f}s  collectives {t['count']} (sync {t['sync']})  "
+              f"hidden {_fmt(t['hidden_frac'])} (timeline {_fmt(t['sim_hidden_frac'])})  -> {paths['md']}")
+    if len(modes) == 2:
+        cmp = report.compare(reports[modes[0]], reports[modes[1]], modes[0], modes[1])
+        (out / "compare.json").write_text(json.dumps(cmp, indent=1))
+        (out / "compare.md").write_text(report.compare_markdown(cmp))
+        reports["_compare"] = cmp
+    return reports
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"

@@ -1,0 +1,624 @@
+"""Parser and overlap analysis for XLA's scheduled HLO text (``compiled.as_text()``).
+
+The scheduled module prints every computation's instructions in schedule order. A collective is
+hidden only when compute is scheduled between its ``*-start`` and ``*-done``; XLA rewrites pairs
+with nothing between them to ``"is_sync":true``. This module finds every collective in every
+computation that runs (ENTRY, while bodies/conditions, called/branch computations), estimates its
+transfer time from an interconnect table and the time of the ops between start and done by roofline
+(fusions count as one op; their FLOPs come from the dots inside the fused computation), and then
+replays the schedule on a two-lane timeline (compute, communication) to get the exposed time.
+
+All times are estimates in microseconds. They are meant for comparing schedules (FarSkip vs
+regular), not for predicting wall-clock step time.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# ---------------------------------------------------------------------------------------------
+# Hardware table. Sources: NVIDIA H200 datasheet (989 TFLOP/s bf16 dense = 1979 with sparsity / 2;
+# 4.8 TB/s HBM3e; NVLink 4: 900 GB/s bidirectional = 450 GB/s per direction per GPU, all 8 GPUs
+# behind NVSwitch). AMD Instinct MI300X datasheet (1307.4 TFLOP/s bf16 dense, 5.3 TB/s HBM3; 7
+# Infinity Fabric (xGMI) links x 128 GB/s bidirectional = 64 GB/s per direction per link, 8 GPUs
+# fully connected peer to peer, 448 GB/s aggregate per direction). Inter-node: one 400 Gb/s NIC per
+# GPU (ConnectX-7 on DGX H200; typical MI300X nodes) = 50 GB/s. latency_us is a per-collective
+# launch/synchronisation floor (our assumption, order of NCCL/RCCL small-message latency).
+# XLA's own mi300x.txtpb says memory_bandwidth 6.81e12; we keep the datasheet number for roofline.
+# ---------------------------------------------------------------------------------------------
+HARDWARE: dict[str, dict[str, Any]] = {
+    "h200": {
+        "peak_flops": 989e12, "hbm_bw": 4.8e12, "link": "nvswitch", "gpus_per_node": 8,
+        "p2p_bw": 450e9, "links": 1, "nic_bw": 50e9, "latency_us": 5.0,
+        "source": "NVIDIA H200 datasheet; NVLink 4 via NVSwitch",
+    },
+    "mi300x": {
+        "peak_flops": 1307.4e12, "hbm_bw": 5.3e12, "link": "full_mesh", "gpus_per_node": 8,
+        "p2p_bw": 64e9, "links": 7, "nic_bw": 50e9, "latency_us": 5.0,
+        "source": "AMD Instinct MI300X datasheet; xGMI fully connected, 7 links per GPU",
+    },
+}
+HARDWARE["local"] = dict(HARDWARE["h200"], source="local: H200 numbers (our GPU machine is an H200)")
+
+COLLECTIVE_KINDS = (
+    "all-to-all", "ragged-all-to-all", "all-reduce", "reduce-scatter", "all-gather",
+    "collective-permute", "collective-broadcast",
+)
+# Ops that launch no kernel (or run on the collective stream) and so add no compute time.
+_FREE_OPS = {
+    "parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id",
+    "replica-id", "opt-barrier", "add-dependency", "copy-start", "copy-done", "send", "recv",
+    "send-done", "recv-done", "domain", "iota", "async-update",
+}
+_DTYPE_BYTES = {
+    "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}
+_ARRAY_RE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+_COMP_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")
+_INSTR_RE = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_ROLE_RE = re.compile(r"layer_(\d+)/([A-Za-z_][\w]*)")
+KNOWN_ROLES = ("dispatch", "combine", "attention", "shared", "router", "experts",
+               "tp_psum_attn_shared", "tp_psum_routed")
+
+
+def dtype_bytes(dtype: str) -> float:
+    if dtype.startswith("f8") or dtype.startswith("f4") or dtype.startswith("f6"):
+        return 1.0 if dtype.startswith("f8") else 0.5
+    return float(_DTYPE_BYTES.get(dtype, 0))
+
+
+def shape_arrays(shape: str) -> list[tuple[str, list[int]]]:
+    """All (dtype, dims) arrays in a (possibly tuple) shape string, in order."""
+    out = []
+    for dt, dims in _ARRAY_RE.findall(shape):
+        if dt in _DTYPE_BYTES or dt.startswith("f8") or dt.startswith("f4") or dt.startswith("f6"):
+            out.append((dt, [int(d) for d in dims.split(",") if d]))
+    return out
+
+
+def shape_bytes(shape: str) -> float:
+    return sum(dtype_bytes(dt) * math.prod(dims) for dt, dims in shape_arrays(shape))
+
+
+@dataclass
+class Instr:
+    name: str
+    shape: str
+    opcode: str
+    operands: list[str]
+    attrs: str
+    is_root: bool = False
+
+    def attr(self, key: str) -> str | None:
+        m = re.search(r"\b" + re.escape(key) + r"=%?([\w.\-]+)", self.attrs)
+        return m.group(1) if m else None
+
+    @property
+    def op_name(self) -> str:
+        m = re.search(r'op_name="((?:[^"\\]|\\.)*)"', self.attrs)
+        return m.group(1) if m else ""
+
+    def called(self) -> list[str]:
+        names = [v for k in ("calls", "to_apply", "body", "condition", "true_computation",
+                             "false_computation") if (v := self.attr(k))]
+        m = re.search(r"branch_computations=\{([^}]*)\}", self.attrs)
+        if m:
+            names += [s.strip().lstrip("%") for s in m.group(1).split(",") if s.strip()]
+        return names
+
+
+@dataclass
+class Computation:
+    name: str
+    is_entry: bool
+    instrs: list[Instr] = field(default_factory=list)
+    by_name: dict[str, Instr] = field(default_factory=dict)
+
+    @property
+    def root(self) -> Instr | None:
+        return next((i for i in self.instrs if i.is_root), self.instrs[-1] if self.instrs else None)
+
+
+@dataclass
+class HloModule:
+    name: str
+    computations: dict[str, Computation]
+    entry: str
+    is_scheduled: bool
+    num_partitions: int
+
+
+def _split_balanced(s: str, i: int) -> int:
+    """Index just past the bracket group that opens at s[i]."""
+    depth, pairs = 0, {"(": ")", "{": "}", "[": "]"}
+    closing = set(pairs.values())
+    in_str = False
+    for j in range(i, len(s)):
+        c = s[j]
+        if c == '"' and s[j - 1] != "\\":
+            in_str = not in_str
+        elif in_str:
+            continue
+        elif c in pairs:
+            depth += 1
+        elif c in closing:
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    return len(s)
+
+
+def _parse_instr(line: str) -> Instr | None:
+    m = _INSTR_RE.match(line)
+    if not m:
+        return None
+    is_root, name, rest = bool(m.group(1)), m.group(2), m.group(3)
+    if rest.startswith("("):
+        end = _split_balanced(rest, 0)
+        shape, rest = rest[:end], rest[end:].lstrip()
+    else:
+        shape, _, rest = rest.partition(" ")
+    om = re.match(r"([\w\-]+)\(", rest)
+    if not om:
+        return None
+    opcode = om.group(1)
+    end = _split_balanced(rest, om.end() - 1)
+    operand_text, attrs = rest[om.end():end - 1], rest[end:]
+    operands = re.findall(r"%([\w.\-]+)", operand_text)
+    return Instr(name, shape, opcode, operands, attrs, is_root)
+
+
+def parse_hlo(text: str) -> HloModule:
+    """Parse HLO module text (as printed by ``compiled.as_text()``) into computations."""
+    header = next((ln for ln in text.splitlines() if ln.startswith("HloModule")), "")
+    mname = header.split()[1].rstrip(",") if header else "module"
+    nparts = re.search(r"num_partitions=(\d+)", header)
+    comps: dict[str, Computation] = {}
+    entry, cur = "", None
+    for line in text.splitlines():
+        if cur is None:
+            m = _COMP_RE.match(line)
+            if m:
+                cur = Computation(m.group(2), bool(m.group(1)))
+                if cur.is_entry:
+                    entry = cur.name
+            continue
+        if line.strip() == "}":
+            comps[cur.name] = cur
+            cur = None
+            continue
+        ins = _parse_instr(line)
+        if ins is not None:
+            cur.instrs.append(ins)
+            cur.by_name[ins.name] = ins
+    if not entry and comps:
+        entry = list(comps)[-1]
+    return HloModule(mname, comps, entry, "is_scheduled=true" in header,
+                     int(nparts.group(1)) if nparts else 1)
+
+
+# ------------------------------------------------------------------ roofline -----------------
+
+def _dims(comp: Computation, name: str) -> list[int]:
+    ins = comp.by_name.get(name)
+    arrs = shape_arrays(ins.shape) if ins else []
+    return arrs[0][1] if arrs else []
+
+
+def _int_list(attrs: str, key: str) -> list[int]:
+    m = re.search(re.escape(key) + r"=\{([0-9,]*)\}", attrs)
+    return [int(x) for x in m.group(1).split(",") if x] if m else []
+
+
+def instr_flops(mod: HloModule, comp: Computation, ins: Instr, _depth: int = 0) -> float:
+    """FLOPs of matrix ops: dot, convolution, gemm custom-calls, and those inside fusions/calls."""
+    out = shape_arrays(ins.shape)
+    out_elems = math.prod(out[0][1]) if out else 0
+    if ins.opcode == "dot" and ins.operands:
+        lhs = _dims(comp, ins.operands[0])
+        k = math.prod(lhs[d] for d in _int_list(ins.attrs, "lhs_contracting_dims") if d < len(lhs))
+        return 2.0 * out_elems * k
+    if ins.opcode == "convolution" and len(ins.operands) > 1:
+        rhs = _dims(comp, ins.operands[1])
+        m = re.search(r"dim_labels=[^_]*_([0-9a-z]+)->", ins.attrs)
+        o = m.group(1).find("o") if m else -1
+        return 2.0 * out_elems * (math.prod(rhs) / rhs[o] if rhs and 0 <= o < len(rhs) else 1)
+    if ins.opcode == "custom-call" and "gemm" in ins.attrs.lower() and ins.operands:
+        lhs = _dims(comp, ins.operands[0])
+        m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
+        cd = [int(x.strip('" ')) for x in m.group(1).split(",") if x.strip('" ')] if m else []
+        return 2.0 * out_elems * math.prod(lhs[d] for d in cd if d < len(lhs))
+    if ins.opcode == "fusion" and _depth < 8:
+        sub = mod.computations.get(ins.attr("calls") or "")
+        if sub:
+            return sum(instr_flops(mod, sub, i, _depth + 1) for i in sub.instrs)
+    return 0.0
+
+
+def instr_bytes(comp: Computation, ins: Instr) -> float:
+    """HBM traffic estimate: result plus operands (in-place updates are over-counted)."""
+    total = shape_bytes(ins.shape)
+    for o in ins.operands:
+        if o in comp.by_name:
+            total += shape_bytes(comp.by_name[o].shape)
+    return total
+
+
+def trip_count(ins: Instr) -> int:
+    m = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
+    return int(m.group(1)) if m else 1
+
+
+# ------------------------------------------------------------------ collectives --------------
+
+def collective_kind(mod: HloModule, ins: Instr) -> tuple[str, str] | None:
+    """(kind, form) with form in sync/start/done, or None. Handles async-start/-done wrappers."""
+    op = ins.opcode
+    if op in COLLECTIVE_KINDS:
+        return op, "sync"
+    for suffix, form in (("-start", "start"), ("-done", "done")):
+        if op.endswith(suffix) and op[: -len(suffix)] in COLLECTIVE_KINDS:
+            return op[: -len(suffix)], form
+    if op == "async-done" and ins.attr("calls") is None:
+        return "async", "done"  # paired with its async-start by operand
+    if op in ("async-start", "async-done"):
+        wrapped = mod.computations.get(ins.attr("calls") or "")
+        if wrapped is not None:
+            kinds = [i.opcode for i in wrapped.instrs if i.opcode in COLLECTIVE_KINDS]
+            if kinds:
+                return kinds[0], "start" if op == "async-start" else "done"
+    return None
+
+
+def group_size(ins: Instr, default: int) -> int:
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]", ins.attrs)  # iota form [groups,size]<=[..]
+    if m:
+        return int(m.group(2))
+    m = re.search(r"replica_groups=\{\{([0-9,]*)\}", ins.attrs)
+    if m:
+        return len([x for x in m.group(1).split(",") if x]) or default
+    m = re.search(r"source_target_pairs=\{([^}]*)\}", ins.attrs)
+    if m:
+        return 2
+    return default
+
+
+def transfer_time_us(kind: str, nbytes: float, n: int, hw: dict[str, Any]) -> float:
+    """Estimated collective time. nbytes is the per-device result size.
+
+    all-to-all: each device sends (n-1)/n of its buffer. NVSwitch: over one 450 GB/s port; full mesh
+    (MI300X): one slice per peer, each over its own link, so min(n-1, links) links in parallel.
+    all-reduce: ring, 2(n-1)/n of the buffer per device. all-gather / reduce-scatter: (n-1)/n of the
+    full (gathered / unscattered) buffer. collective-permute: the whole buffer over one peer link.
+    Beyond one node the inter-node share (n - gpus_per_node)/n goes over the NIC instead.
+    """
+    if n <= 1:
+        return 0.0
+    if kind in ("all-to-all", "ragged-all-to-all"):
+        vol = nbytes * (n - 1) / n
+    elif kind == "all-reduce":
+        vol = 2.0 * nbytes * (n - 1) / n
+    elif kind in ("all-gather", "collective-broadcast"):
+        vol = nbytes * (n - 1) / n
+    elif kind == "reduce-scatter":
+        vol = nbytes * (n - 1)  # result is 1/n of the input
+    else:
+        vol = nbytes
+    local = min(n, hw["gpus_per_node"])
+    if hw["link"] == "full_mesh" and kind != "collective-permute":
+        bw = hw["p2p_bw"] * min(local - 1, hw["links"])
+    else:
+        bw = hw["p2p_bw"]
+    if n > local:
+        remote_frac = (n - local) / n
+        t = max(vol * (1 - remote_frac) / bw, vol * remote_frac / hw["nic_bw"])
+    else:
+        t = vol / bw
+    return t * 1e6 + hw["latency_us"]
+
+
+def infer_role(op_name: str) -> tuple[int | None, str | None, str]:
+    """(layer, role, direction) from a jax.named_scope path in metadata op_name."""
+    direction = "bwd" if "transpose(" in op_name else "fwd"
+    m = _ROLE_RE.findall(op_name)
+    if m:
+        layer, role = m[-1]
+        return int(layer), role, direction
+    parts = op_name.split("/")
+    role = next((p for p in reversed(parts) if p in KNOWN_ROLES), None)
+    return None, role, direction
+
+
+@dataclass
+class BetweenOp:
+    name: str
+    opcode: str
+    est_us: float
+    op_name: str
+
+
+@dataclass
+class CollectiveRecord:
+    name: str
+    kind: str
+    computation: str
+    start_index: int
+    done_index: int
+    flagged_sync: bool
+    is_async: bool
+    bytes: float
+    group_size: int
+    transfer_us: float
+    compute_between_us: float
+    hidden_frac: float
+    weight: int
+    op_name: str
+    layer: int | None
+    role: str | None
+    direction: str
+    ops_between: list[BetweenOp]
+    sim_exposed_us: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Analysis:
+    module: str
+    target: str
+    collectives: list[CollectiveRecord]
+    totals: dict[str, Any]
+    timeline: list[dict[str, Any]]
+    lhs_stats: dict[str, Any] | None = None
+
+    def to_dict(self, with_timeline: bool = False) -> dict[str, Any]:
+        d = {"module": self.module, "target": self.target, "totals": self.totals,
+             "collectives": [c.to_dict() for c in self.collectives], "lhs_stats": self.lhs_stats}
+        if with_timeline:
+            d["timeline"] = self.timeline
+        return d
+
+
+class _Analyzer:
+    def __init__(self, mod: HloModule, hw: dict[str, Any]):
+        self.mod, self.hw = mod, hw
+        self._cost: dict[tuple[str, str], float] = {}
+        self._comp_cost: dict[str, float] = {}
+
+    def op_time_us(self, comp: Computation, ins: Instr) -> float:
+        key = (comp.name, ins.name)
+        if key in self._cost:
+            return self._cost[key]
+        if ins.opcode in _FREE_OPS or collective_kind(self.mod, ins) is not None:
+            t = 0.0
+        elif ins.opcode == "while":
+            n = trip_count(ins)
+            t = n * sum(self.comp_time_us(c) for c in ins.called())
+        elif ins.opcode == "call":
+            t = sum(self.comp_time_us(c) for c in ins.called())
+        elif ins.opcode == "conditional":
+            t = max((self.comp_time_us(c) for c in ins.called()), default=0.0)
+        else:
+            flops = instr_flops(self.mod, comp, ins)
+            t = max(flops / self.hw["peak_flops"], instr_bytes(comp, ins) / self.hw["hbm_bw"]) * 1e6
+        self._cost[key] = t
+        return t
+
+    def comp_time_us(self, name: str) -> float:
+        if name not in self._comp_cost:
+            self._comp_cost[name] = 0.0  # recursion guard
+            comp = self.mod.computations.get(name)
+            self._comp_cost[name] = sum(self.op_time_us(comp, i) for i in comp.instrs) if comp else 0.0
+        return self._comp_cost[name]
+
+    def scheduled_computations(self) -> dict[str, int]:
+        """Computations that run as instruction sequences, with their execution count."""
+        weights: dict[str, int] = {}
+
+        def visit(name: str, w: int, depth: int) -> None:
+            comp = self.mod.computations.get(name)
+            if comp is None or depth > 32:
+                return
+            weights[name] = weights.get(name, 0) + w
+            for ins in comp.instrs:
+                if ins.opcode == "while":
+                    n = trip_count(ins)
+                    for c in ins.called():
+                        visit(c, w * n, depth + 1)
+                elif ins.opcode in ("call", "conditional"):
+                    for c in ins.called():
+                        visit(c, w, depth + 1)
+
+        visit(self.mod.entry, 1, 0)
+        return weights
+
+    def collectives(self, weights: dict[str, int]) -> list[CollectiveRecord]:
+        recs = []
+        for cname, w in weights.items():
+            comp = self.mod.computations[cname]
+            for k, ins in enumerate(comp.instrs):
+                ck = collective_kind(self.mod, ins)
+                if ck is None or ck[1] == "done":
+                    continue
+                kind, form = ck
+                done_k = k
+                if form == "start":
+                    done_k = next((j for j in range(k + 1, len(comp.instrs))
+                                   if comp.instrs[j].operands[:1] == [ins.name]
+                                   and (collective_kind(self.mod, comp.instrs[j]) or ("", ""))[1] == "done"),
+                                  k)
+                done = comp.instrs[done_k]
+                # the result shape: for a start op it is the done's (start returns a tuple)
+                nbytes = shape_bytes(done.shape if form == "start" else ins.shape)
+                n = group_size(ins, self.mod.num_partitions)
+                between = []
+                for j in range(k + 1, done_k):
+                    b = comp.instrs[j]
+                    t = self.op_time_us(comp, b)
+                    if t > 0:
+                        between.append(BetweenOp(b.name, b.opcode, t, b.op_name))
+                flagged = '"is_sync":true' in ins.attrs
+                is_async = form == "start" and not flagged and bool(between)
+                transfer = transfer_time_us(kind, nbytes, n, self.hw)
+                compute = sum(b.est_us for b in between) if is_async else 0.0
+                layer, role, direction = infer_role(ins.op_name)
+                recs.append(CollectiveRecord(
+                    ins.name, kind, cname, k, done_k, flagged, is_async, nbytes, n, transfer, compute,
+                    min(compute, transfer) / transfer if transfer > 0 else 1.0, w, ins.op_name, layer,
+                    role, direction, between))
+        return recs
+
+
+class _Simulator:
+    """Two-lane replay: compute ops run back to back, collectives on one communication lane."""
+
+    def __init__(self, an: _Analyzer, recs: list[CollectiveRecord], max_events: int = 200_000):
+        self.an, self.mod = an, an.mod
+        self.by_key = {(r.computation, r.name): r for r in recs}
+        self.t = 0.0
+        self.comm_free = 0.0
+        self.events: list[dict[str, Any]] = []
+        self.max_events = max_events
+        self.compute_us = 0.0
+
+    def _emit(self, lane: str, name: str, ts: float, dur: float, **args: Any) -> None:
+        if len(self.events) < self.max_events and dur > 0:
+            self.events.append({"lane": lane, "name": name, "ts": ts, "dur": dur, "args": args})
+
+    def run(self, name: str, depth: int = 0) -> None:
+        comp = self.mod.computations.get(name)
+        if comp is None or depth > 32:
+            return
+        pending: dict[str, tuple[float, CollectiveRecord]] = {}
+        for ins in comp.instrs:
+            ck = collective_kind(self.mod, ins)
+            if ck is not None:
+                kind, form = ck
+                if form == "done":
+                    src = ins.operands[0] if ins.operands else ""
+                    if src in pending:
+                        end, rec = pending.pop(src)
+                        wait = max(0.0, end - self.t)
+                        rec.sim_exposed_us += wait
+                        self._emit("compute", f"wait {rec.kind}", self.t, wait, collective=rec.name)
+                        self.t += wait
+                    continue
+                rec = self.by_key.get((name, ins.name))
+                if rec is None:
+                    continue
+                start = max(self.t, self.comm_free)
+                end = start + rec.transfer_us
+                self.comm_free = end
+                self._emit("comm", rec.kind, start, rec.transfer_us, collective=rec.name,
+                           role=rec.role, layer=rec.layer, direction=rec.direction, bytes=rec.bytes,
+                           is_async=rec.is_async)
+                if rec.is_async:
+                    pending[ins.name] = (end, rec)
+                else:
+                    wait = end - self.t
+                    rec.sim_exposed_us += wait
+                    self._emit("compute", f"wait {rec.kind} (sync)", self.t, wait, collective=rec.name)
+                    self.t = end
+            elif ins.opcode == "while":
+                for _ in range(trip_count(ins)):
+                    for c in ins.called()[::-1]:  # condition, then body
+                        self.run(c, depth + 1)
+            elif ins.opcode == "call":
+                for c in ins.called():
+                    self.run(c, depth + 1)
+            elif ins.opcode == "conditional":
+                branches = ins.called()
+                if branches:
+                    self.run(max(branches, key=self.an.comp_time_us), depth + 1)
+            else:
+                dur = self.an.op_time_us(comp, ins)
+                if dur > 0:
+                    self._emit("compute", ins.name, self.t, dur, opcode=ins.opcode, op_name=ins.op_name)
+                    self.t += dur
+                    self.compute_us += dur
+
+
+def _totals(recs: list[CollectiveRecord], sim: _Simulator) -> dict[str, Any]:
+    def agg(rs: list[CollectiveRecord]) -> dict[str, Any]:
+        transfer = sum(r.transfer_us * r.weight for r in rs)
+        hidden = sum(min(r.compute_between_us, r.transfer_us) * r.weight for r in rs)
+        exposed = sum(r.sim_exposed_us for r in rs)
+        return {
+            "count": sum(r.weight for r in rs), "sync": sum(r.weight for r in rs if not r.is_async),
+            "async": sum(r.weight for r in rs if r.is_async), "transfer_us": transfer,
+            "hidden_us": hidden, "hidden_frac": hidden / transfer if transfer else None,
+            "sim_exposed_us": exposed,
+            "sim_hidden_frac": round(max(0.0, 1 - exposed / transfer), 9) if transfer else None,
+        }
+
+    kinds = sorted({r.kind for r in recs})
+    return {
+        "all": agg(recs),
+        "by_kind": {k: agg([r for r in recs if r.kind == k]) for k in kinds},
+        "by_direction": {d: agg([r for r in recs if r.direction == d]) for d in ("fwd", "bwd")},
+        "by_kind_direction": {f"{k}/{d}": agg([r for r in recs if r.kind == k and r.direction == d])
+                              for k in kinds for d in ("fwd", "bwd")
+                              if any(r.kind == k and r.direction == d for r in recs)},
+        "by_role": _by_role(recs, agg),
+        "est_step_us": sim.t,
+        "est_compute_us": sim.compute_us,
+    }
+
+
+def _by_role(recs: list[CollectiveRecord], agg: Any) -> dict[str, Any]:
+    roles: dict[str, list[CollectiveRecord]] = {}
+    for r in recs:
+        roles.setdefault(f"{r.role}/{r.direction}", []).append(r)
+    return {k: agg(v) for k, v in sorted(roles.items())}
+
+
+def analyze(text: str, target: str, lhs_schedule_text: str | None = None) -> Analysis:
+    """Parse scheduled HLO text and estimate collective overlap for ``target`` (see HARDWARE)."""
+    if target not in HARDWARE:
+        raise ValueError(f"unknown target {target!r}; known: {sorted(HARDWARE)}")
+    mod = parse_hlo(text)
+    an = _Analyzer(mod, HARDWARE[target])
+    recs = an.collectives(an.scheduled_computations())
+    sim = _Simulator(an, recs)
+    sim.run(mod.entry)
+    lhs = parse_lhs_schedule(lhs_schedule_text) if lhs_schedule_text else None
+    return Analysis(mod.name, target, recs, _totals(recs, sim), sim.events, lhs)
+
+
+# ---------------------------------------------------------- latency-hiding-schedule dump -----
+
+def parse_lhs_schedule(text: str) -> dict[str, Any]:
+    """Parse ``<module>.schedule.txt`` written with xla_dump_latency_hiding_schedule.
+
+    It is a text proto: ``hlo_module { computations { name id ... } }`` and per scheduled
+    computation ``computation_schedules { computation_id ... scheduler_statistics { ... } }``.
+    Returns per computation name the statistics (``*_wasted_cycles``, ``total_cycles``, ...) and
+    their sum. XLA's cost model may treat all-to-all as free (see FARSKIP.md section 5), so these
+    numbers are XLA's view, not ours.
+    """
+    names: dict[str, str] = {}
+    for m in re.finditer(r'\n  computations \{\n    name: "([^"]+)"', text):
+        # the computation's own id is the last 4-space-indented "id:" before its closing brace
+        end = text.find("\n  }\n", m.end())
+        ids = re.findall(r"\n    id: (\d+)", text[m.end():end])
+        if ids:
+            names[ids[-1]] = m.group(1)
+    per: dict[str, dict[str, float]] = {}
+    for m in re.finditer(r"computation_schedules \{\n\s*computation_id: (\d+)", text):
+        s = text.find("scheduler_statistics {", m.end())
+        nxt = text.find("computation_schedules {", m.end())
+        if s < 0 or (0 <= nxt < s):
+            continue
+        body = text[s:text.find("}", s)]
+        stats = {k: float(v) for k, v in re.findall(r"(\w+): ([0-9.eE+\-]+)", body)}
+        per[names.get(m.group(1), m.group(1))] = stats
+    total: dict[str, float] = {}
+    for stats in per.values():
+        for k, v in stats.items():
+            total[k] = total.get(k, 0.0) + v
+    return {"computations": per, "total": total}

@@ -1,0 +1,98 @@
+"""The device mesh and the one table that maps parameters to mesh axes.
+
+Axes: `data` and `expert` both split the batch in training (expert parallelism moves tokens
+between the `expert` shards with all-to-alls); `tensor` is the inference layout of vLLM/SGLang:
+activations replicated inside the group, attention heads and experts split over it.
+
+Training (EP) layout: routed experts split over `expert` on their leading axis; every other
+parameter replicated (DeepSeek-V2-Lite's non-expert weights are ~1.4B parameters: replicating
+them keeps attention free of collectives, which is what lets the all-to-alls hide behind it).
+Inference (TP) layout: heads and expert axes split over `tensor`, the rest replicated.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from farskip_jax.config import MeshConfig
+
+AXES = ("data", "expert", "tensor")
+BATCH_AXES = ("data", "expert")
+
+Layout = Literal["ep", "tp"]
+
+
+def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
+    """A (data, expert, tensor) mesh over the first `cfg.num_devices` devices."""
+    devices = list(jax.devices() if devices is None else devices)
+    n = cfg.num_devices
+    if n > len(devices):
+        raise ValueError(f"mesh data={cfg.data} x expert={cfg.expert} x tensor={cfg.tensor} needs {n} "
+                         "devices, "
+                         f"{len(devices)} available")
+    grid = np.asarray(devices[:n], dtype=object).reshape(cfg.data, cfg.expert, cfg.tensor)
+    return Mesh(grid, AXES)
+
+
+# Path suffix -> spec per layout. Paths are NNX state paths joined with "/", e.g.
+# "layers/3/moe/experts/w_gate". First match wins; no match means replicated.
+_RULES: dict[Layout, list[tuple[str, P]]] = {
+    "ep": [
+        ("moe/experts/w_gate", P("expert", None, None)),
+        ("moe/experts/w_up", P("expert", None, None)),
+        ("moe/experts/w_down", P("expert", None, None)),
+    ],
+    "tp": [
+        ("moe/experts/w_gate", P("tensor", None, None)),
+        ("moe/experts/w_up", P("tensor", None, None)),
+        ("moe/experts/w_down", P("tensor", None, None)),
+        ("attn/q_proj", P(None, "tensor", None)),
+        ("attn/q_b_proj", P(None, "tensor", None)),
+        ("attn/kv_b_proj", P(None, "tensor", None)),
+        ("attn/o_proj", P("tensor", None, None)),
+        ("shared/gate_proj", P(None, "tensor")),
+        ("shared/up_proj", P(None, "tensor")),
+        ("shared/down_proj", P("tensor", None)),
+        ("mlp/gate_proj", P(None, "tensor")),
+        ("mlp/up_proj", P(None, "tensor")),
+        ("mlp/down_proj", P("tensor", None)),
+    ],
+}
+
+
+def partition_spec(path: tuple, layout: Layout) -> P:
+    # Drop the trailing attribute of an nnx.Variable leaf (`.value`) so State and pure dicts match.
+    name = "/".join(str(p) for p in path if p != "value")
+    for suffix, spec in _RULES[layout]:
+        if name.endswith(suffix):
+            return spec
+    return P()
+
+
+def param_specs_tree(state: Any, layout: Layout) -> Any:
+    """A tree of PartitionSpecs matching `state` (an nnx.State or pure dict of arrays)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: partition_spec(tuple(_key(k) for k in path), layout), state)
+
+
+def param_shardings(state: Any, mesh: Mesh, layout: Layout = "ep") -> Any:
+    """NamedShardings for every parameter leaf of `state`."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_specs_tree(state, layout),
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Token batches [B, T]: batch split over data x expert."""
+    return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def _key(k: Any) -> Any:
+    for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+            return getattr(k, attr)
+    return k

@@ -1,0 +1,316 @@
+"""Distillation and language-modelling losses for the FCSD trainer (pure functions).
+
+Conventions shared by every loss here:
+
+* ``mask`` marks the tokens that count (1) and those that do not (0); it has the shape of the token axes.
+* Normalisation: ``loss = sum over masked tokens of the per-token loss / normalizer``. By default the
+  normalizer is the number of masked tokens in the call (clamped to >= 1 so an all-masked batch gives 0,
+  not NaN). Under gradient accumulation or data parallelism pass ``normalizer=`` the *global* count of
+  valid tokens, so every token weighs the same whatever micro-batch it lands in (huggingface/trl#6526).
+* KL losses are forward KL(teacher || student) on next-token distributions at temperature ``T`` (both
+  logit sets divided by ``T``), multiplied by ``T**2`` as is customary (Hinton et al.) so that gradient
+  magnitudes do not shrink as ``T`` grows. ``metrics["kl"]`` is the mean KL *without* the ``T**2``.
+* The teacher is a fixed target: its inputs pass through ``stop_gradient``, so no gradient (and no
+  backward compute) flows into it.
+* Every function returns ``(loss, metrics)``; ``metrics`` always has ``num_tokens`` and ``loss_sum`` (the
+  un-normalised sum), so a trainer can re-normalise across micro-batches or devices.
+
+The ``chunked_*`` variants take final hidden states ``[..., d]`` and LM-head matrices ``[d, vocab]``
+instead of logits. They scan over chunks of tokens with a rematerialised body, so neither the forward
+nor the backward pass ever holds more than ``[chunk, vocab]`` logits per model: at vocab 102400 a
+4096-token sequence would otherwise need 1.6 GiB of fp32 logits per model, plus as much for gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+Metrics = dict[str, Array]
+
+# Clamp for the student's tail probability: a student that puts (numerically) all its mass on the teacher's
+# top-k ids would otherwise give log(0) = -inf in the tail term.
+_TAIL_EPS = 1e-12
+
+
+def _normalise(total: Array, num_tokens: Array, normalizer: float | Array | None) -> Array:
+    denom = jnp.maximum(num_tokens, 1.0) if normalizer is None else jnp.asarray(normalizer, jnp.float32)
+    return total / denom
+
+
+def _token_kl(t_logits: Array, s_logits: Array, temperature: float) -> Array:
+    """Per-token KL(softmax(t/T) || softmax(s/T)) over the last axis, in fp32."""
+    t_logp = jax.nn.log_softmax(t_logits.astype(jnp.float32) / temperature, axis=-1)
+    s_logp = jax.nn.log_softmax(s_logits.astype(jnp.float32) / temperature, axis=-1)
+    # exp(t_logp) is exactly 0 only where the teacher logit is -inf; there t_logp - s_logp is -inf and
+    # 0 * -inf = NaN, so zero those terms explicitly (0 log 0 = 0).
+    t_p = jnp.exp(t_logp)
+    return jnp.sum(jnp.where(t_p > 0, t_p * (t_logp - s_logp), 0.0), axis=-1)
+
+
+def _kl_result(
+    kl_sum: Array, num_tokens: Array, temperature: float, normalizer: float | Array | None
+) -> tuple[Array, Metrics]:
+    scale = temperature**2
+    loss = scale * _normalise(kl_sum, num_tokens, normalizer)
+    metrics = {
+        "num_tokens": num_tokens,
+        "loss_sum": scale * kl_sum,
+        "kl": kl_sum / jnp.maximum(num_tokens, 1.0),
+    }
+    return loss, metrics
+
+
+def forward_kl(
+    teacher_logits: Array,
+    student_logits: Array,
+    mask: Array,
+    temperature: float = 1.0,
+    normalizer: float | Array | None = None,
+) -> tuple[Array, Metrics]:
+    """Forward KL(teacher || student) on full logits ``[..., vocab]``, averaged over masked tokens.
+
+    ``loss = T**2 * sum_{masked} KL_t / normalizer`` (normalizer defaults to the masked-token count).
+    """
+    teacher_logits = jax.lax.stop_gradient(teacher_logits)
+    m = mask.astype(jnp.float32)
+    kl = _token_kl(teacher_logits, student_logits, temperature)
+    return _kl_result(jnp.sum(kl * m), jnp.sum(m), temperature, normalizer)
+
+
+def _flatten_tokens(x: Array) -> Array:
+    return x.reshape(-1, x.shape[-1])
+
+
+def _pad_to_chunks(x: Array, chunk: int) -> Array:
+    """Pads the token axis (axis 0) to a multiple of ``chunk`` and reshapes to [n_chunks, chunk, ...]."""
+    n = x.shape[0]
+    pad = (-n) % chunk
+    if pad:
+        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+    return x.reshape((n + pad) // chunk, chunk, *x.shape[1:])
+
+
+def _chunked_sum(
+    body: Callable[..., Array], token_arrays: tuple[Array, ...], chunk_size: int, num_tokens: int
+) -> Array:
+    """sum over chunks of ``body(*chunk_of_each_token_array)``, recomputed in the backward pass.
+
+    ``jax.checkpoint`` on the body means the scan saves only the chunk inputs as residuals; the
+    [chunk, vocab] logits are rebuilt chunk by chunk when the gradient is taken.
+    """
+    chunk = max(1, min(chunk_size, num_tokens))
+    chunked = tuple(_pad_to_chunks(a, chunk) for a in token_arrays)
+    body = jax.checkpoint(body)
+
+    def step(acc: Array, xs: tuple[Array, ...]) -> tuple[Array, None]:
+        return acc + body(*xs), None
+
+    total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), chunked)
+    return total
+
+
+def _logits(hidden: Array, head: Array) -> Array:
+    # fp32 accumulation even for bf16 weights: softmax over 102400 entries is sensitive to logit rounding.
+    return jnp.einsum("td,dv->tv", hidden, head, preferred_element_type=jnp.float32)
+
+
+def chunked_forward_kl(
+    teacher_hidden: Array,
+    teacher_head: Array,
+    student_hidden: Array,
+    student_head: Array,
+    mask: Array,
+    temperature: float = 1.0,
+    normalizer: float | Array | None = None,
+    chunk_size: int = 1024,
+) -> tuple[Array, Metrics]:
+    """``forward_kl`` from hidden states ``[..., d]`` and LM heads ``[d, vocab]``, chunked over tokens.
+
+    Equal to ``forward_kl(teacher_hidden @ teacher_head, student_hidden @ student_head, ...)`` up to fp32
+    summation order; peak memory is O(chunk_size * vocab) instead of O(tokens * vocab).
+    """
+    teacher_hidden = jax.lax.stop_gradient(_flatten_tokens(teacher_hidden))
+    teacher_head = jax.lax.stop_gradient(teacher_head)
+    student_hidden = _flatten_tokens(student_hidden)
+    m = mask.reshape(-1).astype(jnp.float32)
+
+    def body(th: Array, sh: Array, mc: Array) -> Array:
+        kl = _token_kl(_logits(th, teacher_head), _logits(sh, student_head), temperature)
+        return jnp.sum(kl * mc)
+
+    kl_sum = _chunked_sum(body, (teacher_hidden, student_hidden, m), chunk_size, m.shape[0])
+    return _kl_result(kl_sum, jnp.sum(m), temperature, normalizer)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Top-k cached teacher.
+
+
+def _log1mexp(x: Array) -> Array:
+    """log(1 - exp(x)) for x <= 0, stable on both ends (Maechler 2012)."""
+    x = jnp.minimum(x, -_TAIL_EPS)
+    return jnp.where(x > -0.6931471805599453, jnp.log(-jnp.expm1(x)), jnp.log1p(-jnp.exp(x)))
+
+
+def _token_topk_kl(
+    t_topk_logp: Array, t_ids: Array, s_logits: Array, temperature: float
+) -> tuple[Array, Array]:
+    """Per-token KL over the k teacher ids plus one tail bin; also returns the teacher top-k mass.
+
+    The teacher's top-k log-probs are taken as given (they must have been computed at ``temperature``);
+    the student is tempered here. Bins: the k ids, and "everything else" with teacher mass
+    ``1 - sum p_topk`` and student mass ``1 - sum q_topk``. Coarse-graining can only lower a KL
+    (data-processing inequality), so this is <= the full KL, and equal to it when k == vocab.
+    """
+    t_logp = t_topk_logp.astype(jnp.float32)
+    s_logp_all = jax.nn.log_softmax(s_logits.astype(jnp.float32) / temperature, axis=-1)
+    s_logp = jnp.take_along_axis(s_logp_all, t_ids.astype(jnp.int32), axis=-1)
+    t_p = jnp.exp(t_logp)
+    head = jnp.sum(jnp.where(t_p > 0, t_p * (t_logp - s_logp), 0.0), axis=-1)
+    t_mass = jnp.sum(t_p, axis=-1)
+    # Tail masses in log space; the teacher's can be 0 (k == vocab) and then its term is 0 by 0 log 0 = 0.
+    t_tail_logp = _log1mexp(jax.nn.logsumexp(t_logp, axis=-1))
+    s_tail_logp = jnp.maximum(_log1mexp(jax.nn.logsumexp(s_logp, axis=-1)), jnp.log(_TAIL_EPS))
+    t_tail = jnp.clip(1.0 - t_mass, 0.0, 1.0)
+    tail = jnp.where(t_tail > _TAIL_EPS, t_tail * (t_tail_logp - s_tail_logp), 0.0)
+    return head + tail, t_mass
+
+
+def _topk_result(
+    kl_sum: Array, mass_sum: Array, num_tokens: Array, temperature: float, normalizer: float | Array | None
+) -> tuple[Array, Metrics]:
+    loss, metrics = _kl_result(kl_sum, num_tokens, temperature, normalizer)
+    metrics["teacher_topk_mass"] = mass_sum / jnp.maximum(num_tokens, 1.0)
+    return loss, metrics
+
+
+def topk_kl(
+    teacher_topk_logprobs: Array,
+    teacher_topk_ids: Array,
+    student_logits: Array,
+    mask: Array,
+    temperature: float = 1.0,
+    normalizer: float | Array | None = None,
+) -> tuple[Array, Metrics]:
+    """Forward KL against a cached top-k teacher (``[..., k]`` log-probs and int ids) plus a tail bin.
+
+    ``metrics["teacher_topk_mass"]`` is the mean (over masked tokens) teacher probability covered by the
+    k ids; when it is far below 1 the cached k is too small for this data.
+    """
+    teacher_topk_logprobs = jax.lax.stop_gradient(teacher_topk_logprobs)
+    m = mask.astype(jnp.float32)
+    kl, mass = _token_topk_kl(teacher_topk_logprobs, teacher_topk_ids, student_logits, temperature)
+    return _topk_result(jnp.sum(kl * m), jnp.sum(mass * m), jnp.sum(m), temperature, normalizer)
+
+
+def chunked_topk_kl(
+    teacher_topk_logprobs: Array,
+    teacher_topk_ids: Array,
+    student_hidden: Array,
+    student_head: Array,
+    mask: Array,
+    temperature: float = 1.0,
+    normalizer: float | Array | None = None,
+    chunk_size: int = 1024,
+) -> tuple[Array, Metrics]:
+    """``topk_kl`` from student hidden states ``[..., d]`` and head ``[d, vocab]``, chunked over tokens."""
+    t_logp = jax.lax.stop_gradient(_flatten_tokens(teacher_topk_logprobs)).astype(jnp.float32)
+    t_ids = _flatten_tokens(teacher_topk_ids).astype(jnp.int32)
+    student_hidden = _flatten_tokens(student_hidden)
+    m = mask.reshape(-1).astype(jnp.float32)
+
+    def kl_body(tl: Array, ti: Array, sh: Array, mc: Array) -> Array:
+        kl, _ = _token_topk_kl(tl, ti, _logits(sh, student_head), temperature)
+        return jnp.sum(kl * mc)
+
+    kl_sum = _chunked_sum(kl_body, (t_logp, t_ids, student_hidden, m), chunk_size, m.shape[0])
+    # The covered mass depends only on the teacher, so it needs no chunking.
+    mass_sum = jnp.sum(jnp.sum(jnp.exp(t_logp), axis=-1) * m)
+    return _topk_result(kl_sum, mass_sum, jnp.sum(m), temperature, normalizer)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Cross-entropy (SFT baseline / LM) and hidden-state matching.
+
+
+def ce_mask(mode: Literal["sft", "lm"], loss_mask: Array, segment_ids: Array) -> Array:
+    """Which tokens a cross-entropy counts: ``sft`` = the data's loss mask (assistant tokens only),
+    ``lm`` = every non-padding token (``segment_ids > 0``)."""
+    if mode == "sft":
+        return loss_mask
+    if mode == "lm":
+        return (segment_ids > 0).astype(loss_mask.dtype)
+    raise ValueError(f"mode must be one of 'sft', 'lm'; got {mode!r}")
+
+
+def _token_ce(logits: Array, targets: Array) -> Array:
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def _ce_result(ce_sum: Array, num_tokens: Array, normalizer: float | Array | None) -> tuple[Array, Metrics]:
+    loss = _normalise(ce_sum, num_tokens, normalizer)
+    return loss, {"num_tokens": num_tokens, "loss_sum": ce_sum, "ce": ce_sum / jnp.maximum(num_tokens, 1.0)}
+
+
+def cross_entropy(
+    logits: Array, targets: Array, mask: Array, normalizer: float | Array | None = None
+) -> tuple[Array, Metrics]:
+    """Next-token cross-entropy on ``[..., vocab]`` logits against int ``targets``, over masked tokens."""
+    m = mask.astype(jnp.float32)
+    return _ce_result(jnp.sum(_token_ce(logits, targets) * m), jnp.sum(m), normalizer)
+
+
+def chunked_cross_entropy(
+    hidden: Array,
+    head: Array,
+    targets: Array,
+    mask: Array,
+    normalizer: float | Array | None = None,
+    chunk_size: int = 1024,
+) -> tuple[Array, Metrics]:
+    """``cross_entropy`` from hidden states ``[..., d]`` and head ``[d, vocab]``, chunked over tokens."""
+    hidden = _flatten_tokens(hidden)
+    tg = targets.reshape(-1).astype(jnp.int32)
+    m = mask.reshape(-1).astype(jnp.float32)
+
+    def body(h: Array, t: Array, mc: Array) -> Array:
+        return jnp.sum(_token_ce(_logits(h, head), t) * mc)
+
+    ce_sum = _chunked_sum(body, (hidden, tg, m), chunk_size, m.shape[0])
+    return _ce_result(ce_sum, jnp.sum(m), normalizer)
+
+
+def hidden_l2(
+    teacher_hidden: Array, student_hidden: Array, mask: Array, normalizer: float | Array | None = None
+) -> tuple[Array, Metrics]:
+    """Mean squared error between matched hidden states, over masked tokens.
+
+    Shapes ``[..., tokens..., d]`` where ``mask`` has the token shape; extra leading axes (e.g. a stack of
+    matched layers ``[L, B, S, d]``) are averaged. Per token the error is the mean over ``d`` (so the scale
+    does not grow with width), summed over masked tokens and divided by ``normalizer`` (default: masked
+    token count) and by the number of leading layers.
+    """
+    teacher_hidden = jax.lax.stop_gradient(teacher_hidden)
+    m = mask.astype(jnp.float32)
+    diff = student_hidden.astype(jnp.float32) - teacher_hidden.astype(jnp.float32)
+    per_token = jnp.mean(diff * diff, axis=-1)
+    extra = per_token.ndim - m.ndim
+    if extra < 0 or per_token.shape[extra:] != m.shape:
+        raise ValueError(f"mask shape {m.shape} does not match hidden token shape {per_token.shape}")
+    n_layers = 1
+    for s in per_token.shape[:extra]:
+        n_layers *= s
+    l2_sum = jnp.sum(per_token * m) / n_layers
+    num_tokens = jnp.sum(m)
+    loss = _normalise(l2_sum, num_tokens, normalizer)
+    return loss, {
+        "num_tokens": num_tokens,
+        "loss_sum": l2_sum,
+        "hidden_l2": l2_sum / jnp.maximum(num_tokens, 1.0),
+    }

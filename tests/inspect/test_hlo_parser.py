@@ -1,0 +1,128 @@
+"""Parser/analysis checks on scheduled-HLO texts in tests/inspect/data (no compile needed).
+
+async_pair.hlo / sync_pair.hlo are cut from real deviceless H200 compiles of 8-way shard_map
+programs; nested_while.hlo is hand-written XLA syntax (while body, async-start wrapper, backward)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from farskip_jax import xla_flags
+from farskip_jax.inspect import hlo, report
+
+DATA = Path(__file__).parent / "data"
+H200 = hlo.HARDWARE["h200"]
+
+
+def _analyze(name: str, target: str = "h200") -> hlo.Analysis:
+    return hlo.analyze((DATA / name).read_text(), target)
+
+
+def test_sync_pair() -> None:
+    a = _analyze("sync_pair.hlo")
+    assert [c.kind for c in a.collectives] == ["all-to-all"]
+    c = a.collectives[0]
+    assert c.flagged_sync and not c.is_async and c.ops_between == []
+    assert c.bytes == 512 * 1024 * 2 and c.group_size == 8
+    # 8-GPU all-to-all over NVSwitch: 7/8 of the buffer at 450 GB/s, plus the latency floor
+    assert c.transfer_us == pytest.approx(512 * 1024 * 2 * 7 / 8 / 450e9 * 1e6 + 5.0)
+    assert c.hidden_frac == 0.0 and a.totals["all"]["sync"] == 1
+    assert a.totals["all"]["sim_exposed_us"] == pytest.approx(c.transfer_us)
+
+
+def test_async_pair_with_compute_between() -> None:
+    a = _analyze("async_pair.hlo")
+    (c,) = a.collectives
+    assert c.is_async and not c.flagged_sync
+    assert [b.name for b in c.ops_between] == ["gemm_fusion_dot.1"]
+    # split-K gemm: out f32[4,512,1024], operands bf16 1 MiB + 2 MiB -> memory bound at 4.8 TB/s
+    between_bytes = 4 * 512 * 1024 * 4 + 512 * 1024 * 2 + 1024 * 1024 * 2
+    assert c.compute_between_us == pytest.approx(between_bytes / 4.8e12 * 1e6)
+    assert c.hidden_frac == pytest.approx(c.compute_between_us / c.transfer_us)
+    assert 0.3 < c.hidden_frac < 0.4
+    assert (c.layer, c.role, c.direction) == (0, "dispatch", "fwd")
+    assert [b.op_name.split("/")[-2] for b in c.ops_between] == ["attention"]
+
+
+def test_nested_while_body_and_wrappers() -> None:
+    a = _analyze("nested_while.hlo")
+    mod = hlo.parse_hlo((DATA / "nested_while.hlo").read_text())
+    assert mod.entry == "main" and mod.is_scheduled and mod.num_partitions == 8
+    init = mod.computations["main"].by_name["init_acc"]
+    assert hlo.instr_flops(mod, mod.computations["main"], init) == 2 * 1024 * 1024 * 4096
+    by = {c.kind: c for c in a.collectives}
+    assert set(by) == {"all-reduce", "all-to-all", "reduce-scatter"}
+    assert all(c.computation == "body" and c.weight == 4 for c in a.collectives)
+    ar = by["all-reduce"]
+    assert ar.is_async and ar.direction == "bwd" and (ar.layer, ar.role) == (2, "tp_psum_routed")
+    dot_us = 2 * 1024 * 1024 * 4096 / 989e12 * 1e6  # compute bound
+    assert ar.compute_between_us == pytest.approx(dot_us)
+    ring = 2 * 2 * 2**20 * 7 / 8 / 450e9 * 1e6 + 5.0
+    assert ar.transfer_us == pytest.approx(ring)
+    assert ar.hidden_frac == pytest.approx(dot_us / ring)
+    assert by["all-to-all"].flagged_sync and not by["all-to-all"].is_async
+    rs = by["reduce-scatter"]  # async-start/async-done wrapper, loop fusion between
+    assert rs.is_async and rs.bytes == 128 * 1024 * 2 and [b.name for b in rs.ops_between] == ["loop_fusion"]
+    t = a.totals
+    assert t["by_direction"]["bwd"]["count"] == 4 and t["by_direction"]["fwd"]["count"] == 8
+    assert t["by_kind"]["all-to-all"]["sync"] == 4 and t["by_kind"]["all-to-all"]["hidden_frac"] == 0.0
+    # timeline: entry dot + 4 x (dot, all-reduce wait, sync all-to-all, loop fusion, rs wait)
+    loop_us = 4 * 2**20 / 4.8e12 * 1e6
+    per_iter = dot_us + (ring - dot_us) + by["all-to-all"].transfer_us + loop_us + (rs.transfer_us - loop_us)
+    assert t["est_step_us"] == pytest.approx(dot_us + 4 * per_iter)
+
+
+def test_transfer_model_mi300x_full_mesh() -> None:
+    hw = hlo.HARDWARE["mi300x"]
+    # all-to-all: 7 peer slices, each over its own 64 GB/s xGMI link
+    assert hlo.transfer_time_us("all-to-all", 8e6, 8, hw) == pytest.approx(7e6 / (7 * 64e9) * 1e6 + 5)
+    assert hlo.transfer_time_us("collective-permute", 8e6, 2, hw) == pytest.approx(8e6 / 64e9 * 1e6 + 5)
+    # 32 GPUs over 4 nodes: the inter-node 3/4 of the volume goes over the 50 GB/s NIC
+    assert hlo.transfer_time_us("all-to-all", 8e6, 32, H200) == pytest.approx(
+        8e6 * 31 / 32 * 24 / 32 / 50e9 * 1e6 + 5)
+
+
+def test_infer_role() -> None:
+    assert hlo.infer_role("jit(f)/transpose(jvp(x))/layer_12/combine/all_to_all") == (12, "combine", "bwd")
+    assert hlo.infer_role("jit(f)/while/body/router/top_k") == (None, "router", "fwd")
+
+
+def test_lhs_schedule_parser() -> None:
+    text = ('hlo_module {\n  name: "m"\n  computations {\n    name: "body"\n    instructions {\n'
+            '      id: 5\n    }\n    id: 7\n    root_id: 5\n  }\n}\ncomputation_schedules {\n'
+            '  computation_id: 7\n  instructions {\n    id: 5\n  }\n  scheduler_statistics {\n'
+            '    all_to_all_wasted_cycles: 118.5\n    total_cycles: 368.7\n  }\n}\n')
+    s = hlo.parse_lhs_schedule(text)
+    assert s["computations"]["body"]["all_to_all_wasted_cycles"] == 118.5
+    assert s["total"]["total_cycles"] == pytest.approx(368.7)
+
+
+def test_reports_and_compare(tmp_path: Path) -> None:
+    a, b = _analyze("async_pair.hlo"), _analyze("sync_pair.hlo")
+    paths = report.write_reports(a, tmp_path, "farskip")
+    trace = json.loads(paths["trace"].read_text())
+    x = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["tid"] for e in x} == {1, 2}  # compute and comm lanes
+    assert all(e["dur"] > 0 and e["ts"] >= 0 for e in x)
+    assert "| all-to-all |" in paths["md"].read_text()
+    cmp = report.compare(report.build_report(a), report.build_report(b))
+    assert cmp["groups"]["all-to-all"]["farskip"]["sync"] == 0
+    assert cmp["groups"]["all-to-all"]["regular"]["sync"] == 1
+    assert "farskip vs regular" in report.compare_markdown(cmp)
+
+
+def test_xla_flags_user_wins() -> None:
+    env = {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false --foo=1"}
+    added = xla_flags.apply_default_xla_flags("mi300x", env)
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" not in added
+    assert "--xla_gpu_enable_cub_radix_sort=false" in added
+    assert env["XLA_FLAGS"].startswith("--xla_gpu_enable_latency_hiding_scheduler=false --foo=1 ")
+    assert xla_flags.apply_default_xla_flags("mi300x", env) == []  # idempotent
+    assert xla_flags.flags_for("local") == []
+    assert xla_flags.compiler_options_for("mi300x") == {
+        "xla_gpu_enable_latency_hiding_scheduler": True, "xla_gpu_enable_analytical_latency_estimator": True}
+    with pytest.raises(ValueError):
+        xla_flags.flags_for("tpu")

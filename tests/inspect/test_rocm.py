@@ -1,0 +1,60 @@
+"""Deviceless MI300X compile through the ROCm plugin with stand-in libraries (rocm_standins).
+
+Runs in a subprocess: the stand-ins and the GPU-count patch must be in place before JAX discovers
+its plugins, which the pytest process has already done. Run with ``pytest -m rocm``."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.rocm,
+    pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_rocm7") is None,
+                       reason="jax-rocm7-pjrt not installed"),
+    pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler for the stand-ins"),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = r"""
+import json, sys
+sys.path.insert(0, "tests/inspect")
+from farskip_jax.inspect import rocm_standins
+rocm_standins.enable()
+import toy_programs
+from farskip_jax.inspect import aot, hlo
+mesh = aot.make_target_mesh("mi300x", {"x": 8})
+out = {"device_kind": mesh.devices.flat[0].device_kind}
+for name, lhs in (("no_lhs", False), ("lhs", True)):
+    fn, specs = toy_programs.build_step(mesh, "overlap")
+    art = aot.compile_scheduled_hlo(fn, *specs, target="mi300x", default_options=False,
+        compiler_options={"xla_gpu_enable_latency_hiding_scheduler": lhs}, dump_lhs_schedule=True)
+    a = hlo.analyze(art.hlo_text, "mi300x", art.lhs_schedule_text)
+    out[name] = {"lhs_ran": a.lhs_stats is not None,
+                 "collectives": {c.kind: [c.is_async, c.compute_between_us] for c in a.collectives}}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_mi300x_lhs_makes_collectives_async() -> None:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    res = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line, res.stderr[-3000:]
+    out = json.loads(line[7:])
+    assert out["device_kind"] == "MI300X"
+    # without the flag the latency-hiding scheduler does not run on ROCm and both collectives stay sync
+    assert not out["no_lhs"]["lhs_ran"]
+    assert out["no_lhs"]["collectives"] == {"all-to-all": [False, 0.0], "all-reduce": [False, 0.0]}
+    assert out["lhs"]["lhs_ran"]
+    for is_async, between in out["lhs"]["collectives"].values():
+        assert is_async and between > 0.5
