@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -323,6 +324,9 @@ class TrainConfig:
     eval_batches: int = 4
     patience: int = 20
     drop_threshold: float = 0.02
+    # Early-stopping / best-checkpoint metric (higher is better): greedy next-token exact match on the
+    # held-out loss-masked tokens, agreement with the teacher's greedy token, or the negated eval loss.
+    eval_metric: Literal["next_token_acc", "teacher_agreement", "neg_loss"] = "next_token_acc"
     max_nonfinite_in_row: int = 5
     spike_factor: float = 3.0
     output_dir: str = "runs/default"
@@ -445,7 +449,14 @@ def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
 
 def _parse_scalar(text: str) -> Any:
     """CLI override values are YAML scalars: 4, 1e-5, true, null, greedy, [1, 2]."""
-    return yaml.safe_load(text)
+    value = yaml.safe_load(text)
+    # YAML 1.1 reads `1e-5` (no dot) as a string; a CLI user means the number.
+    if isinstance(value, str) and _EXP_FLOAT.fullmatch(value.strip()):
+        return float(value)
+    return value
+
+
+_EXP_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def _apply_overrides(base: dict[str, Any], overrides: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

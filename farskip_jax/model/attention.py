@@ -32,6 +32,10 @@ def attention_core(q_bthk: jax.Array, k_bshk: jax.Array, v_bshv: jax.Array, segm
     return jnp.einsum("bhts,bshv->bthv", probs, v_bshv)
 
 
+# DeepSeek's code (and HF's port) builds the two latent norms with eps 1e-6 whatever the config says.
+LATENT_NORM_EPS = 1e-6
+
+
 class MLAttention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         pd = DTYPES[cfg.param_dtype]
@@ -40,10 +44,10 @@ class MLAttention(nnx.Module):
             self.q_proj = normal_init(rngs, (d, h, cfg.qk_head_dim), pd)
         else:
             self.q_a_proj = normal_init(rngs, (d, cfg.q_lora_rank), pd)
-            self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, pd)
+            self.q_a_norm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, pd)
             self.q_b_proj = normal_init(rngs, (cfg.q_lora_rank, h, cfg.qk_head_dim), pd)
         self.kv_a_proj = normal_init(rngs, (d, cfg.kv_lora_rank + cfg.qk_rope_head_dim), pd)
-        self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, pd)
+        self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS, pd)
         self.kv_b_proj = normal_init(rngs, (cfg.kv_lora_rank, h, cfg.qk_nope_head_dim + cfg.v_head_dim), pd)
         self.o_proj = normal_init(rngs, (h, cfg.v_head_dim, d), pd)
         self.cfg = cfg

@@ -1,0 +1,103 @@
+"""Shared helpers for the HF-parity tests: tiny random DeepSeek-V2 models in torch and JAX.
+
+Not a test module. Imported by tests/model/* and tests/test_cli_logits.py. HF models are built
+with random weights of a scale that gives logits of order 1 (normal std 0.2 for matrices and
+embeddings, U(0.5, 1.5) for norm scales), so that a parity bar of 1e-4 means something.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import torch
+from flax import nnx
+from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+# Collected by tests/model/conftest.py and printed in the terminal summary.
+PARITY_RESULTS: list[tuple[str, str, float]] = []
+
+# YaRN with factor = max_position_embeddings / original_max_position_embeddings (64 / 16).
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}
+PLAIN_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def tiny_hf_config(**kw: Any) -> DeepseekV2Config:
+    """A DeepSeek-V2 config small enough to build, save and compile in about a second."""
+    base: dict[str, Any] = dict(
+        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, topk_method="greedy",
+        n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
+        max_position_embeddings=64, tie_word_embeddings=False, rms_norm_eps=1e-6,
+        rope_parameters=dict(PLAIN_ROPE))
+    base.update(kw)
+    if "num_attention_heads" in kw:
+        base["num_key_value_heads"] = kw["num_attention_heads"]
+    cfg = DeepseekV2Config(**base)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def randomize_(model: torch.nn.Module, seed: int, std: float = 0.2) -> torch.nn.Module:
+    """In place: norms ~ U(0.5, 1.5), every other parameter ~ N(0, std^2)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model
+
+
+def build_hf(cfg: DeepseekV2Config, seed: int = 0) -> DeepseekV2ForCausalLM:
+    torch.manual_seed(seed)
+    model = DeepseekV2ForCausalLM(cfg).eval()
+    return randomize_(model, seed)
+
+
+def save_hf(model: DeepseekV2ForCausalLM, directory: Path, max_shard_size: str | None = None) -> Path:
+    kw = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(directory, **kw)
+    return directory
+
+
+def random_ids(vocab: int, batch: int = 2, seq: int = 17, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab, size=(batch, seq), dtype=np.int32)
+
+
+@torch.no_grad()
+def hf_logits(model: DeepseekV2ForCausalLM, ids: np.ndarray) -> np.ndarray:
+    return model(torch.as_tensor(ids, dtype=torch.long), use_cache=False).logits.float().numpy()
+
+
+@functools.cache
+def _jitted_forward(graphdef: Any):
+    @jax.jit
+    def forward(state, ids):
+        return nnx.merge(graphdef, state)(ids).logits
+
+    return forward
+
+
+def jax_logits(model: nnx.Module, ids: np.ndarray) -> np.ndarray:
+    """Logits of our model; one compiled forward per graph (config), reused across calls."""
+    graphdef, state = nnx.split(model)
+    return np.asarray(_jitted_forward(graphdef)(state, ids), dtype=np.float32)
+
+
+def record(test: str, variant: str, err: float) -> None:
+    """Prints one `PARITY ...` line (visible with -s) and keeps it for the terminal summary."""
+    PARITY_RESULTS.append((test, variant, err))
+    print(f"PARITY test={test} variant={variant} max_abs_err={err:.3e}")
+
+
+def max_abs_err(a: np.ndarray, b: np.ndarray) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))

@@ -1,0 +1,113 @@
+"""YAML configs, validation messages, dotted overrides, HF config.json round trips."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from farskip_jax.config import (
+    CONFIG_DIR,
+    Config,
+    ConfigError,
+    FarSkipConfig,
+    ModelConfig,
+    RopeScaling,
+    load_config,
+    parse_overrides,
+)
+
+YAMLS = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def test_configs_exist():
+    assert {"tiny", "tiny_farskip", "dsv2lite", "dsv2lite_farskip"} <= set(YAMLS)
+
+
+@pytest.mark.parametrize("name", YAMLS)
+def test_every_yaml_loads_and_validates(name):
+    cfg = load_config(name)
+    assert isinstance(cfg, Config) and cfg.name == name
+    cfg.validate()
+    # Every model config round-trips through HF's config.json form.
+    again = ModelConfig.from_hf_dict(cfg.model.to_hf_dict())
+    assert again.num_layers == cfg.model.num_layers and again.routing == cfg.model.routing
+
+
+def test_farskip_yaml_inherits_base():
+    base, fs = load_config("dsv2lite"), load_config("dsv2lite_farskip")
+    assert not base.model.farskip.enabled and fs.model.farskip.enabled
+    assert dataclasses.replace(fs.model, farskip=base.model.farskip) == base.model
+    assert list(fs.model.farskip.layer_range(fs.model.num_layers)) == list(range(27))
+
+
+def test_unknown_key_names_key_and_allowed():
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", {"model.hiden_size": 8})
+    assert "model.hiden_size" in str(e.value) and "hidden_size" in str(e.value)
+    with pytest.raises(ConfigError, match=r"model\.farskip\.strat_idx"):
+        load_config("tiny", {"model.farskip.strat_idx": 1})
+
+
+def test_bad_value_names_key_and_allowed_values():
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", {"model.routing": "noaux_tc"})
+    msg = str(e.value)
+    assert "model.routing" in msg and "greedy" in msg and "group_limited_greedy" in msg
+    with pytest.raises(ConfigError, match=r"model\.dtype.*float32.*bfloat16"):
+        load_config("tiny", {"model.dtype": "float16"})
+    with pytest.raises(ConfigError, match=r"model\.num_layers"):
+        load_config("tiny", {"model.num_layers": "four"})
+    with pytest.raises(ConfigError, match=r"model\.farskip\.end_idx"):
+        load_config("tiny", {"model.farskip.enabled": True, "model.farskip.end_idx": 99})
+    with pytest.raises(ConfigError, match="attn_only.*mlp_only"):
+        load_config("tiny", {"model.farskip.attn_only": True, "model.farskip.mlp_only": True})
+
+
+def test_parse_overrides_and_apply():
+    ov = parse_overrides(["model.num_layers=3", "train.learning_rate=1e-4", "model.farskip.enabled=true",
+                          "model.farskip.start_idx=1", "model.q_lora_rank=null", "train.mode=sft"])
+    assert ov == {"model.num_layers": 3, "train.learning_rate": 1e-4, "model.farskip.enabled": True,
+                  "model.farskip.start_idx": 1, "model.q_lora_rank": None, "train.mode": "sft"}
+    cfg = load_config("tiny", ov)
+    assert cfg.model.num_layers == 3 and cfg.model.q_lora_rank is None and cfg.train.mode == "sft"
+    assert cfg.model.farskip == FarSkipConfig(enabled=True, start_idx=1)
+    assert list(cfg.model.farskip.layer_range(3)) == [1, 2]
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_overrides(["model.num_layers"])
+
+
+def test_hf_round_trip_preserves_fields():
+    cfg = load_config("tiny", {"model.rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 64,
+                                                      "mscale": 0.707, "mscale_all_dim": 0.707},
+                               "model.routed_scaling_factor": 2.0, "model.norm_topk_prob": True,
+                               "model.farskip.enabled": True, "model.farskip.start_idx": 1,
+                               "model.farskip.end_idx": 2, "model.farskip.attn_only": True}).model
+    again = ModelConfig.from_hf_dict(cfg.to_hf_dict())
+    # Fields config.json does not carry (training-side knobs) keep their defaults; compare the rest.
+    not_in_hf = {"capacity_factor", "param_dtype", "dtype", "remat", "device_aux_loss_alpha",
+                 "aux_device_groups"}
+    for f in dataclasses.fields(ModelConfig):
+        if f.name not in not_in_hf:
+            assert getattr(again, f.name) == getattr(cfg, f.name), f.name
+    assert again.farskip == FarSkipConfig(enabled=True, start_idx=1, end_idx=2, attn_only=True)
+
+
+def test_both_rope_generations_parse_the_same():
+    common = ModelConfig(num_layers=2).to_hf_dict()
+    yarn = {"factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+            "mscale": 0.707, "mscale_all_dim": 0.707}
+    legacy = {k: v for k, v in common.items() if k != "rope_parameters"}
+    legacy.update(rope_theta=10000.0, rope_scaling={"type": "yarn", **yarn})
+    modern = dict(common, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, **yarn})
+    a, b = ModelConfig.from_hf_dict(legacy), ModelConfig.from_hf_dict(modern)
+    assert a.rope_scaling == b.rope_scaling == RopeScaling(factor=40.0, original_max_position_embeddings=4096,
+                                                           mscale=0.707, mscale_all_dim=0.707)
+    assert a.rope_theta == b.rope_theta == 10000.0
+    # No scaling in either generation.
+    plain_legacy = {k: v for k, v in common.items() if k != "rope_parameters"}
+    plain_legacy.update(rope_theta=500.0, rope_scaling=None)
+    assert ModelConfig.from_hf_dict(plain_legacy).rope_scaling is None
+    assert ModelConfig.from_hf_dict(plain_legacy).rope_theta == 500.0
+    with pytest.raises(ConfigError, match="rope type"):
+        ModelConfig.from_hf_dict(dict(common, rope_parameters={"rope_type": "linear", "factor": 2.0}))
