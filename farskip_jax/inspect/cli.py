@@ -99,3 +99,61 @@ def run_inspect(args: argparse.Namespace, build_step: BuildStep) -> dict[str, An
 
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m farskip_jax inspect",
+        description=(
+            "Compile the real training step (forward + backward + AdamW, expert parallel) or the "
+            "tensor-parallel prefill of a config for an 8-GPU H200 or MI300X target without any GPU "
+            "(deviceless XLA compile), then measure from the scheduled HLO how much collective time "
+            "has compute scheduled under it. Writes report_<mode>.json/.md/.trace.json (open the trace "
+            "in ui.perfetto.dev) and, with --compare-regular, compare.md."),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", required=True, help="config name in configs/ or a YAML path")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override, e.g. model.num_layers=4 (repeatable)")
+    p.add_argument("--mode", choices=("train", "prefill"), default="train",
+                   help="train: the trainer's jitted step under EP; prefill: TP inference forward")
+    p.add_argument("--compare-regular", action="store_true",
+                   help="also compile the same model with regular connectivity and compare")
+    p.add_argument("--seqs-per-device", type=int, default=1, help="train: sequences per device")
+    p.add_argument("--batch", type=int, default=1, help="prefill: sequences (replicated over the TP group)")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
+    add_inspect_args(p)
+    p.set_defaults(modes=None)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m farskip_jax inspect --config dsv2lite_farskip --target h200 --mode train ...`."""
+    import time
+
+    args = _build_parser().parse_args(argv)
+    from farskip_jax.config import load_config, parse_overrides
+
+    cfg = load_config(args.config, parse_overrides(args.overrides))
+    if args.modes in (None, "farskip,regular"):
+        args.modes = "farskip,regular" if args.compare_regular else (
+            "farskip" if cfg.model.farskip.enabled else "regular")
+    mesh = {"data": 1, "expert": 1, "tensor": 1}
+    default_mesh = {"expert": 8} if args.mode == "train" else {"tensor": 8}
+    user_mesh = args.mesh if args.mesh != {"expert": 8} or args.mode == "train" else default_mesh
+    mesh.update(user_mesh)
+    args.mesh = mesh
+    from farskip_jax.inspect import steps
+
+    if args.mode == "train":
+        build = steps.build_train_step(cfg, args.seqs_per_device, args.seq_len)
+    else:
+        build = steps.build_prefill_step(cfg, args.batch, args.seq_len)
+    print(f"inspect: {cfg.name} {args.mode} on {args.target}, mesh {mesh}, modes {args.modes}, "
+          f"seq_len {args.seq_len}")
+    t0 = time.perf_counter()
+    reports = run_inspect(args, build)
+    print(f"inspect: done in {time.perf_counter() - t0:.1f}s -> {args.out}")
+    cmp = reports.get("_compare")
+    if cmp is not None:
+        print((Path(args.out) / "compare.md").read_text())
+    return 0

@@ -60,9 +60,10 @@ _DTYPE_BYTES = {
 _ARRAY_RE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _COMP_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")
 _INSTR_RE = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_ROLE_RE = re.compile(r"layer_(\d+)/([A-Za-z_][\w]*)")
-KNOWN_ROLES = ("dispatch", "combine", "attention", "shared", "router", "experts",
-               "tp_psum_attn_shared", "tp_psum_routed")
+_LAYER_RE = re.compile(r"layer_(\d+)")
+KNOWN_ROLES = ("dispatch", "combine", "attention", "shared", "router", "experts", "mlp", "lm_head",
+               "tp_psum_attn_shared", "tp_psum_routed", "tp_psum_attn", "tp_psum_shared", "tp_psum_ffn",
+               "tp_psum_block")
 
 
 def dtype_bytes(dtype: str) -> float:
@@ -322,15 +323,18 @@ def transfer_time_us(kind: str, nbytes: float, n: int, hw: dict[str, Any]) -> fl
 
 
 def infer_role(op_name: str) -> tuple[int | None, str | None, str]:
-    """(layer, role, direction) from a jax.named_scope path in metadata op_name."""
+    """(layer, role, direction) from a jax.named_scope path in metadata op_name.
+
+    Transformations wrap scope names (`jvp(layer_3)/shard_map/dispatch`,
+    `transpose(jvp(layer_3))/...`), so the layer is the last `layer_N` anywhere in the path and
+    the role the innermost known scope after it.
+    """
     direction = "bwd" if "transpose(" in op_name else "fwd"
-    m = _ROLE_RE.findall(op_name)
-    if m:
-        layer, role = m[-1]
-        return int(layer), role, direction
-    parts = op_name.split("/")
+    layers = _LAYER_RE.findall(op_name)
+    layer = int(layers[-1]) if layers else None
+    parts = re.split(r"[/()]", op_name)
     role = next((p for p in reversed(parts) if p in KNOWN_ROLES), None)
-    return None, role, direction
+    return layer, role, direction
 
 
 @dataclass

@@ -82,29 +82,41 @@ def forward_kl(
     return _kl_result(jnp.sum(kl * m), jnp.sum(m), temperature, normalizer)
 
 
-def _flatten_tokens(x: Array) -> Array:
-    return x.reshape(-1, x.shape[-1])
+def _rows_by_positions(x: Array, token_ndim: int) -> Array:
+    """[*lead, T, *features] -> [R, T, *features] with R = prod(lead) (R = 1 for 1-D token arrays)."""
+    tok = x.shape[:token_ndim]
+    rows = 1
+    for s in tok[:-1]:
+        rows *= s
+    return x.reshape(rows, tok[-1], *x.shape[token_ndim:])
 
 
-def _pad_to_chunks(x: Array, chunk: int) -> Array:
-    """Pads the token axis (axis 0) to a multiple of ``chunk`` and reshapes to [n_chunks, chunk, ...]."""
-    n = x.shape[0]
-    pad = (-n) % chunk
-    if pad:
-        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-    return x.reshape((n + pad) // chunk, chunk, *x.shape[1:])
+def _seq_chunks(x: Array, chunk: int) -> Array:
+    """[R, T, ...] -> [n_chunks, R, chunk, ...], padding T to a multiple of ``chunk``.
 
-
-def _chunked_sum(
-    body: Callable[..., Array], token_arrays: tuple[Array, ...], chunk_size: int, num_tokens: int
-) -> Array:
-    """sum over chunks of ``body(*chunk_of_each_token_array)``, recomputed in the backward pass.
-
-    ``jax.checkpoint`` on the body means the scan saves only the chunk inputs as residuals; the
-    [chunk, vocab] logits are rebuilt chunk by chunk when the gradient is taken.
+    Chunks run along the sequence axis and keep the row (batch) axis whole, so a batch sharded
+    over devices stays sharded: chunking the flattened token axis instead would make XLA gather
+    the activations of every device before each chunk.
     """
-    chunk = max(1, min(chunk_size, num_tokens))
-    chunked = tuple(_pad_to_chunks(a, chunk) for a in token_arrays)
+    t = x.shape[1]
+    pad = (-t) % chunk
+    if pad:
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    x = x.reshape(x.shape[0], (t + pad) // chunk, chunk, *x.shape[2:])
+    return jnp.moveaxis(x, 1, 0)
+
+
+def _chunked_sum(body: Callable[..., Array], token_arrays: tuple[Array, ...], chunk_size: int,
+                 token_ndim: int) -> Array:
+    """sum over sequence chunks of ``body(*chunk_of_each_token_array)``, recomputed in the backward pass.
+
+    ``chunk_size`` positions of every sequence per chunk. ``jax.checkpoint`` on the body means the
+    scan saves only the chunk inputs as residuals; the [rows, chunk, vocab] logits are rebuilt chunk
+    by chunk when the gradient is taken.
+    """
+    rows = tuple(_rows_by_positions(a, token_ndim) for a in token_arrays)
+    chunk = max(1, min(chunk_size, rows[0].shape[1]))
+    chunked = tuple(_seq_chunks(a, chunk) for a in rows)
     body = jax.checkpoint(body)
 
     def step(acc: Array, xs: tuple[Array, ...]) -> tuple[Array, None]:
@@ -116,7 +128,7 @@ def _chunked_sum(
 
 def _logits(hidden: Array, head: Array) -> Array:
     # fp32 accumulation even for bf16 weights: softmax over 102400 entries is sensitive to logit rounding.
-    return jnp.einsum("td,dv->tv", hidden, head, preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
 
 
 def chunked_forward_kl(
@@ -129,21 +141,20 @@ def chunked_forward_kl(
     normalizer: float | Array | None = None,
     chunk_size: int = 1024,
 ) -> tuple[Array, Metrics]:
-    """``forward_kl`` from hidden states ``[..., d]`` and LM heads ``[d, vocab]``, chunked over tokens.
+    """``forward_kl`` from hidden states ``[..., d]`` and LM heads ``[d, vocab]``, chunked along the sequence.
 
     Equal to ``forward_kl(teacher_hidden @ teacher_head, student_hidden @ student_head, ...)`` up to fp32
     summation order; peak memory is O(chunk_size * vocab) instead of O(tokens * vocab).
     """
-    teacher_hidden = jax.lax.stop_gradient(_flatten_tokens(teacher_hidden))
+    teacher_hidden = jax.lax.stop_gradient(teacher_hidden)
     teacher_head = jax.lax.stop_gradient(teacher_head)
-    student_hidden = _flatten_tokens(student_hidden)
-    m = mask.reshape(-1).astype(jnp.float32)
+    m = mask.astype(jnp.float32)
 
     def body(th: Array, sh: Array, mc: Array) -> Array:
         kl = _token_kl(_logits(th, teacher_head), _logits(sh, student_head), temperature)
         return jnp.sum(kl * mc)
 
-    kl_sum = _chunked_sum(body, (teacher_hidden, student_hidden, m), chunk_size, m.shape[0])
+    kl_sum = _chunked_sum(body, (teacher_hidden, student_hidden, m), chunk_size, m.ndim)
     return _kl_result(kl_sum, jnp.sum(m), temperature, normalizer)
 
 
@@ -218,17 +229,16 @@ def chunked_topk_kl(
     normalizer: float | Array | None = None,
     chunk_size: int = 1024,
 ) -> tuple[Array, Metrics]:
-    """``topk_kl`` from student hidden states ``[..., d]`` and head ``[d, vocab]``, chunked over tokens."""
-    t_logp = jax.lax.stop_gradient(_flatten_tokens(teacher_topk_logprobs)).astype(jnp.float32)
-    t_ids = _flatten_tokens(teacher_topk_ids).astype(jnp.int32)
-    student_hidden = _flatten_tokens(student_hidden)
-    m = mask.reshape(-1).astype(jnp.float32)
+    """``topk_kl`` from student hidden states ``[..., d]`` and head ``[d, vocab]``, chunked along the sequence."""
+    t_logp = jax.lax.stop_gradient(teacher_topk_logprobs).astype(jnp.float32)
+    t_ids = teacher_topk_ids.astype(jnp.int32)
+    m = mask.astype(jnp.float32)
 
     def kl_body(tl: Array, ti: Array, sh: Array, mc: Array) -> Array:
         kl, _ = _token_topk_kl(tl, ti, _logits(sh, student_head), temperature)
         return jnp.sum(kl * mc)
 
-    kl_sum = _chunked_sum(kl_body, (t_logp, t_ids, student_hidden, m), chunk_size, m.shape[0])
+    kl_sum = _chunked_sum(kl_body, (t_logp, t_ids, student_hidden, m), chunk_size, m.ndim)
     # The covered mass depends only on the teacher, so it needs no chunking.
     mass_sum = jnp.sum(jnp.sum(jnp.exp(t_logp), axis=-1) * m)
     return _topk_result(kl_sum, mass_sum, jnp.sum(m), temperature, normalizer)
@@ -274,15 +284,14 @@ def chunked_cross_entropy(
     normalizer: float | Array | None = None,
     chunk_size: int = 1024,
 ) -> tuple[Array, Metrics]:
-    """``cross_entropy`` from hidden states ``[..., d]`` and head ``[d, vocab]``, chunked over tokens."""
-    hidden = _flatten_tokens(hidden)
-    tg = targets.reshape(-1).astype(jnp.int32)
-    m = mask.reshape(-1).astype(jnp.float32)
+    """``cross_entropy`` from hidden states ``[..., d]`` and head ``[d, vocab]``, chunked along the sequence."""
+    tg = targets.astype(jnp.int32)
+    m = mask.astype(jnp.float32)
 
     def body(h: Array, t: Array, mc: Array) -> Array:
         return jnp.sum(_token_ce(_logits(h, head), t) * mc)
 
-    ce_sum = _chunked_sum(body, (hidden, tg, m), chunk_size, m.shape[0])
+    ce_sum = _chunked_sum(body, (hidden, tg, m), chunk_size, m.ndim)
     return _ce_result(ce_sum, jnp.sum(m), normalizer)
 
 

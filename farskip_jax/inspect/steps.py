@@ -1,0 +1,105 @@
+"""The real steps the inspector compiles: the trainer's jitted train step, and TP prefill.
+
+`build_step(cfg, ...)` returns the `build_step(mesh, mode)` callback that `cli.run_inspect`
+wants, where mode is "farskip" or "regular" (the same model and parameters, connectivity on or
+off). Arguments are abstract (`jax.ShapeDtypeStruct` with shardings): nothing is allocated, so
+a DeepSeek-V2-Lite step compiles for 8 GPUs on a laptop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from farskip_jax.config import Config, ModelConfig
+from farskip_jax.model.transformer import Transformer, with_farskip
+from farskip_jax.parallel import BATCH_AXES, ExpertParallel, param_specs_tree, tp_forward
+
+BATCH_FIELDS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
+
+
+def model_for(cfg: ModelConfig, mode: str) -> ModelConfig:
+    if mode == "regular":
+        return with_farskip(cfg, enabled=False)
+    if mode == "farskip":
+        return cfg if cfg.farskip.enabled else with_farskip(cfg, enabled=True)
+    raise ValueError(f"mode {mode!r}: expected 'farskip' or 'regular'")
+
+
+def _abstract(tree: Any, shardings: Any) -> Any:
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _abstract_model(mcfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    model = nnx.eval_shape(lambda: Transformer(mcfg, nnx.Rngs(0)))
+    graphdef, state = nnx.split(model, nnx.Param)
+    return graphdef, state
+
+
+def build_train_step(cfg: Config, seqs_per_device: int, seq_len: int
+                     ) -> Callable[[Mesh, str], tuple[Any, Sequence[Any]]]:
+    """The trainer's step (forward + backward + AdamW update) in `lm` mode under expert parallelism.
+
+    The `lm` loss (student only) is used so that the report shows the student's own collectives;
+    FCSD adds a teacher forward whose regular connectivity would be reported alongside.
+    """
+    from farskip_jax.train.optim import lr_schedule, make_optimizer
+    from farskip_jax.train.step import LossSpec, make_train_step
+
+    tc = dataclasses.replace(cfg.train, mode="lm")
+
+    def build(mesh: Mesh, mode: str):
+        mcfg = model_for(cfg.model, mode)
+        graphdef, params = _abstract_model(mcfg)
+        p_shard = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs_tree(params, "ep"),
+                               is_leaf=lambda x: isinstance(x, P))
+        tx = make_optimizer(tc, params)
+        opt = jax.eval_shape(tx.init, params)
+        replicated = NamedSharding(mesh, P())
+        opt_shard = jax.tree.map(lambda _: replicated, opt)
+        # Adam moments follow their parameters' shardings where the shapes line up.
+        opt_shard = _match_param_shardings(opt, params, p_shard, replicated)
+        scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+        state = {"params": _abstract(params, p_shard), "opt_state": _abstract(opt, opt_shard),
+                 "step": scalar, "skipped": scalar}
+        n_batch = seqs_per_device * mesh.shape["data"] * mesh.shape["expert"]
+        bsh = NamedSharding(mesh, P(None, BATCH_AXES))
+        batch = {k: jax.ShapeDtypeStruct((1, n_batch, seq_len), jnp.int32, sharding=bsh) for k in BATCH_FIELDS}
+        spec = LossSpec.from_train(tc, cached_teacher=False)
+        step = make_train_step(spec, graphdef, None, tx, lr_schedule(tc), parallel=ExpertParallel(mesh))
+        loss_scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
+        return step, (state, None, batch, loss_scale)
+
+    return build
+
+
+def _match_param_shardings(opt: Any, params: Any, p_shard: Any, default: NamedSharding) -> Any:
+    by_shape: dict[tuple, NamedSharding] = {}
+    for leaf, sh in zip(jax.tree.leaves(params), jax.tree.leaves(p_shard), strict=True):
+        if sh.spec != P():
+            by_shape[tuple(leaf.shape)] = sh
+    return jax.tree.map(lambda x: by_shape.get(tuple(x.shape), default), opt)
+
+
+def build_prefill_step(cfg: Config, batch: int, seq_len: int
+                       ) -> Callable[[Mesh, str], tuple[Any, Sequence[Any]]]:
+    """Inference prefill in the TP layout (activations replicated, heads and experts split)."""
+
+    def build(mesh: Mesh, mode: str):
+        mcfg = model_for(cfg.model, mode)
+        graphdef, params = _abstract_model(mcfg)
+        specs = param_specs_tree(params, "tp")
+        p_shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+        fwd = tp_forward(graphdef, params, mesh)
+        replicated = NamedSharding(mesh, P())
+        ids = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=replicated)
+        return jax.jit(lambda s, i: fwd(s, i)[0]), (_abstract(params, p_shard), ids)
+
+    return build
