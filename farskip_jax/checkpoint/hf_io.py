@@ -1,13 +1,16 @@
 """Reading HF checkpoint directories tensor by tensor (safetensors, single or sharded; .bin).
 
-Nothing here holds more than the tensors a caller asks for: safetensors files are memory-mapped
-and read one tensor at a time. PyTorch `.bin` files are loaded with `torch.load(weights_only=True)`
+Nothing here holds more than the tensors a caller asks for: a safetensors file's header is parsed
+once and each tensor is read with one seek + read of its byte range (no mmap, so pages of other
+tensors never count towards the process RSS; bfloat16 works, which safetensors' numpy API lacks).
+PyTorch `.bin` files are loaded with `torch.load(weights_only=True)`
 (never full unpickling), one file at a time, which is the best that format allows.
 """
 
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +21,32 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, malformed or does not match the config; names file and tensor."""
 
 
+# safetensors dtype tags -> numpy dtype names (bfloat16 comes from ml_dtypes).
+ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+             "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def np_dtype(name: str) -> np.dtype:
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def read_safetensors_header(f: Path) -> tuple[int, dict]:
+    """(byte offset of the data section, header dict without `__metadata__`)."""
+    with open(f, "rb") as fh:
+        raw = fh.read(8)
+        if len(raw) != 8:
+            raise CheckpointError(f"{f}: truncated safetensors file (no header)")
+        (n,) = struct.unpack("<Q", raw)
+        try:
+            header = json.loads(fh.read(n))
+        except ValueError as e:
+            raise CheckpointError(f"{f}: corrupt safetensors header: {e}") from e
+    header.pop("__metadata__", None)
+    return 8 + n, header
+
+
 class TensorSource:
     """Maps every tensor name of an HF directory to its file and reads tensors on demand."""
 
@@ -26,6 +55,7 @@ class TensorSource:
         if not self.dir.is_dir():
             raise CheckpointError(f"{self.dir}: not a directory")
         self.key_to_file: dict[str, Path] = {}
+        self._headers: dict[Path, tuple[int, dict]] = {}
         index = self.dir / "model.safetensors.index.json"
         if index.exists():
             weight_map = json.loads(index.read_text()).get("weight_map")
@@ -37,12 +67,9 @@ class TensorSource:
                     raise CheckpointError(f"{index}: tensor {key!r} is in {fname}, which does not exist")
                 self.key_to_file[key] = f
         elif (files := sorted(self.dir.glob("*.safetensors"))):
-            from safetensors import safe_open
-
             for f in files:
-                with safe_open(str(f), framework="numpy") as h:
-                    for key in h.keys():
-                        self._add(key, f)
+                for key in self._header(f)[1]:
+                    self._add(key, f)
         elif (files := sorted(self.dir.glob("pytorch_model*.bin"))):
             for f in files:
                 for key in self._torch_load(f):
@@ -51,6 +78,19 @@ class TensorSource:
             raise CheckpointError(f"{self.dir}: no *.safetensors, model.safetensors.index.json or "
                                   "pytorch_model*.bin files")
         self._bin_cache: tuple[Path, dict] | None = None
+
+    def _header(self, f: Path) -> tuple[int, dict]:
+        # Parsed once per file: a DSV2-Lite shard lists thousands of tensors.
+        if f not in self._headers:
+            self._headers[f] = read_safetensors_header(f)
+        return self._headers[f]
+
+    def _st_entry(self, key: str) -> tuple[Path, int, dict]:
+        f = self.key_to_file[key]
+        start, header = self._header(f)
+        if key not in header:
+            raise CheckpointError(f"{f}: tensor {key!r} is listed in the index but not in the file")
+        return f, start, header[key]
 
     def _add(self, key: str, f: Path) -> None:
         if key in self.key_to_file:
@@ -72,29 +112,34 @@ class TensorSource:
     def shape(self, key: str) -> tuple[int, ...]:
         f = self.key_to_file[key]
         if f.suffix == ".safetensors":
-            from safetensors import safe_open
-
-            with safe_open(str(f), framework="numpy") as h:
-                return tuple(h.get_slice(key).get_shape())
+            return tuple(self._st_entry(key)[2]["shape"])
         return tuple(self._bin(f)[key].shape)
 
     def dtype_name(self, key: str) -> str:
+        """numpy-style name: float32, bfloat16, float16, int64, ..."""
         f = self.key_to_file[key]
         if f.suffix == ".safetensors":
-            from safetensors import safe_open
-
-            with safe_open(str(f), framework="numpy") as h:
-                return str(h.get_slice(key).get_dtype())
+            tag = self._st_entry(key)[2]["dtype"]
+            return ST_DTYPES.get(tag, tag)
         return str(self._bin(f)[key].dtype).replace("torch.", "")
 
     def read(self, key: str) -> np.ndarray:
         """One tensor as numpy (bfloat16 via ml_dtypes), bit-exact."""
         f = self.key_to_file[key]
         if f.suffix == ".safetensors":
-            from safetensors import safe_open
-
-            with safe_open(str(f), framework="numpy") as h:
-                return h.get_tensor(key)
+            f, start, entry = self._st_entry(key)
+            dtype = np_dtype(ST_DTYPES.get(entry["dtype"], entry["dtype"]))
+            begin, end = entry["data_offsets"]
+            count = (end - begin) // dtype.itemsize
+            if count != int(np.prod(entry["shape"])):
+                raise CheckpointError(f"{f}: tensor {key!r}: byte range does not match its shape "
+                                      f"{entry['shape']}")
+            with open(f, "rb") as fh:
+                fh.seek(start + begin)
+                arr = np.fromfile(fh, dtype=dtype, count=count)
+            if arr.size != count:
+                raise CheckpointError(f"{f}: tensor {key!r} is truncated")
+            return arr.reshape(entry["shape"])
         return _torch_to_numpy(self._bin(f)[key])
 
     def _bin(self, f: Path) -> dict:

@@ -64,11 +64,19 @@ def set_path(state: Any, path: tuple, value: Any) -> None:
     node[path[-1]] = value
 
 
-def from_pretrained(path: str | Path, **overrides: Any) -> Transformer:
+def from_pretrained(path: str | Path, *, mesh: jax.sharding.Mesh | None = None,
+                    **overrides: Any) -> Transformer:
     """Loads `config.json` + safetensors (or .bin) weights into a `Transformer`.
 
+    A directory written by `convert_torch_ckpt.py` (marker `farskip_checkpoint.json`) is restored
+    from Orbax instead. With `mesh`, routed experts are split over its 'expert' axis and the rest
+    replicated, each parameter placed directly into its sharding.
     Overrides are dotted ModelConfig keys: `from_pretrained(d, **{"farskip.enabled": True})`.
     """
+    from farskip_jax.checkpoint import convert
+
+    if convert.is_orbax_checkpoint(path):
+        return convert.load_model(path, mesh=mesh, **overrides)
     cfg = config_from_dir(path, **overrides)
     source = TensorSource(path)
     specs = param_specs(cfg)
@@ -77,8 +85,11 @@ def from_pretrained(path: str | Path, **overrides: Any) -> Transformer:
     graphdef, state = nnx.split(abstract)
     pure = nnx.to_pure_dict(state)
     pdtype = DTYPES[cfg.param_dtype]
+    shardings = convert.mesh_shardings(cfg, mesh) if mesh is not None else None
     for spec in specs:
-        set_path(pure, spec.path, jnp.asarray(read_param(source, spec), dtype=pdtype))
+        arr = np.asarray(read_param(source, spec)).astype(pdtype)
+        value = jax.device_put(arr, convert.nest_get(shardings, spec.path)) if shardings else jnp.asarray(arr)
+        set_path(pure, spec.path, value)
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state)
 

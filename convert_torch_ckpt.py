@@ -1,0 +1,79 @@
+#!/usr/bin/env python
+"""Convert HF DeepSeek-V2 checkpoints (safetensors or pytorch_model*.bin) to Orbax and back."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+EPILOG = """\
+examples:
+  # HF -> Orbax, bf16, layout hint for 8-way expert parallelism, FarSkip on layers 1..26
+  python convert_torch_ckpt.py --input DeepSeek-V2-Lite --output ckpt/dsv2lite \\
+      --dtype bf16 --mesh expert=8 --farskip on --farskip-range 1:26
+  # show the HF key -> parameter table and the bytes to be written, write nothing
+  python convert_torch_ckpt.py --input DeepSeek-V2-Lite --output ckpt/dsv2lite --dry-run
+  # Orbax (converted, or a training step RUN_DIR/checkpoints/STEP) -> HF safetensors
+  python convert_torch_ckpt.py --to-hf --input runs/x/checkpoints/5000 --output hf_out
+
+The Orbax directory (marker farskip_checkpoint.json) loads with farskip_jax.from_pretrained(DIR)
+or from_pretrained(DIR, mesh=mesh) straight into expert-sharded arrays. Everything is validated
+before anything is written; output goes to a temp dir renamed into place at the end.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", required=True,
+                   help="HF directory (config.json + weights); with --to-hf an Orbax directory written by "
+                        "this tool or a training checkpoint step directory (items params/, meta/)")
+    p.add_argument("--output", required=True,
+                   help="directory to create (refused if non-empty without --overwrite)")
+    p.add_argument("--to-hf", action="store_true", help="convert Orbax -> HF safetensors instead")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
+                   help="stored dtype (default: the input's dtype; required when the input is fp16 or mixed)")
+    p.add_argument("--mesh", nargs="*", metavar="AXIS=SIZE", default=None,
+                   help="target mesh, e.g. expert=8: checked against n_routed_experts and recorded as a hint "
+                        "(expert arrays are always chunked per expert, so any EP size restores)")
+    p.add_argument("--farskip", choices=["on", "off"], default=None,
+                   help="set FarSkip connectivity in the written config (default: from config.json)")
+    p.add_argument("--farskip-range", metavar="START:END", default=None,
+                   help="inclusive FarSkip layer range, e.g. 1:26 (either side may be empty); implies "
+                        "--farskip on")
+    p.add_argument("--max-shard-size", default="5GB", help="with --to-hf: shard size limit (default 5GB)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate, print the HF key -> parameter mapping and the bytes to write, write "
+                        "nothing")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion needs no accelerator
+    from farskip_jax.checkpoint.convert import convert_hf_to_orbax, farskip_overrides, parse_mesh
+    from farskip_jax.checkpoint.hf_io import CheckpointError
+    from farskip_jax.checkpoint.to_hf import convert_orbax_to_hf
+    from farskip_jax.config import ConfigError
+
+    try:
+        overrides = farskip_overrides(args.farskip, args.farskip_range)
+        common = dict(dtype=args.dtype, overrides=overrides, dry_run=args.dry_run, overwrite=args.overwrite,
+                      progress=not args.no_progress)
+        if args.to_hf:
+            if args.mesh:
+                raise ConfigError("--mesh applies to HF -> Orbax only")
+            convert_orbax_to_hf(args.input, args.output, max_shard_size=args.max_shard_size, **common)
+        else:
+            convert_hf_to_orbax(args.input, args.output, mesh=parse_mesh(args.mesh), **common)
+    except (CheckpointError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,543 @@
+"""HF DeepSeek-V2 -> Orbax conversion, streamed one layer at a time, and restore into shardings.
+
+Layout of a converted directory (detected by `farskip_checkpoint.json`):
+
+    OUT/farskip_checkpoint.json   marker: format version, dtype, parameter groups with paths/shapes
+    OUT/model_config.json         our ModelConfig (FarSkip settings included)
+    OUT/config.json               the source's config.json, verbatim
+    OUT/params/embed/             one standard Orbax PyTree checkpoint per group: the embedding,
+    OUT/params/layer_000/ ...     each decoder layer's non-expert weights, each layer's stacked
+    OUT/params/layer_001_experts_w_gate/ ...   routed-expert arrays, and the head (final norm +
+    OUT/params/head/              LM head)
+
+Why one Orbax checkpoint per layer: Orbax writes a PyTree in one `save` call and cannot append to
+it, so a single checkpoint of the whole tree would need every array in host memory at once (the
+maxtext "1.4 TB to convert Llama 70B" failure). One save per layer (per stacked expert array for
+MoE layers) bounds host memory by about 3 x the largest group (our array, TensorStore's encode
+copy and the buffered OCDBT data file; measured in bench/convert_rss.py), while every group stays a
+plain Orbax checkpoint that `restore_params` reads with `jax.ShapeDtypeStruct` targets carrying the
+wanted `NamedSharding`, so each device reads only its slice and the restore is topology-agnostic.
+Leaves are numpy arrays (no JAX device is involved while converting, so nothing is replicated over
+simulated devices), and routed-expert arrays are chunked one expert per chunk (`shard_axes=(0,)`),
+so an expert-parallel restore of any EP size that divides E reads exactly its own experts.
+
+Writes go to a temporary sibling directory that is renamed into place at the end; the marker is
+the last file written, so an interrupted conversion never leaves a loadable half checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from farskip_jax.checkpoint.hf_io import CheckpointError, TensorSource, np_dtype
+from farskip_jax.checkpoint.hf_keys import ParamSpec, hf_key_index, param_specs
+from farskip_jax.config import ConfigError, ModelConfig, _apply_overrides, from_dict, to_dict
+
+MARKER = "farskip_checkpoint.json"
+MODEL_CONFIG = "model_config.json"
+FORMAT = "farskip-orbax-params"
+VERSION = 1
+# Test hook: seconds to sleep after the first group is written (to SIGKILL a conversion mid-write).
+TEST_PAUSE_ENV = "FARSKIP_CONVERT_TEST_PAUSE_S"
+DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
+_TMP_TAG = ".farskip-tmp-"
+_MAX_LISTED = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Parameters written by one Orbax save: the embedding, one decoder layer, or the head."""
+
+    name: str
+    specs: tuple[ParamSpec, ...]
+
+
+@dataclasses.dataclass
+class Summary:
+    tensors: int = 0
+    params: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def line(self, verb: str) -> str:
+        gbs = self.bytes / max(self.seconds, 1e-9) / 1e9
+        return (f"{verb} {self.tensors} tensors, {self.params:,} parameters, {self.bytes / 1e9:.3f} GB in "
+                f"{self.seconds:.1f} s ({gbs:.2f} GB/s)")
+
+
+def group_specs(specs: list[ParamSpec]) -> list[Group]:
+    groups: dict[str, list[ParamSpec]] = {}
+    for s in specs:
+        if s.path[0] == "layers":
+            # Each stacked expert array is its own group: Orbax/TensorStore hold about 2 more copies
+            # of what one save writes (encode copy, buffered OCDBT data file), so smaller saves
+            # keep the peak near 3 x one expert array instead of 3 x a whole layer.
+            name = f"layer_{s.path[1]:03d}" + (f"_experts_{s.path[-1]}" if is_stacked(s) else "")
+        else:
+            name = "embed" if s.path[0] == "embed" else "head"
+        groups.setdefault(name, []).append(s)
+    return [Group(n, tuple(v)) for n, v in groups.items()]
+
+
+def is_stacked(spec: ParamSpec) -> bool:
+    return len(spec.hf_keys) > 1
+
+
+def nest_set(tree: dict, path: tuple, value: Any) -> None:
+    node = tree
+    for p in path[:-1]:
+        node = node.setdefault(p, {})
+    node[path[-1]] = value
+
+
+def nest_get(tree: Any, path: tuple) -> Any:
+    for p in path:
+        tree = tree[p]
+    return tree
+
+
+def deep_merge(into: dict, other: dict) -> dict:
+    for k, v in other.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            deep_merge(into[k], v)
+        else:
+            into[k] = v
+    return into
+
+
+def parse_dtype(name: str | None) -> str | None:
+    if name is None:
+        return None
+    if name not in DTYPE_ALIASES:
+        raise ConfigError(f"--dtype {name!r}: allowed: bf16, fp32")
+    return DTYPE_ALIASES[name]
+
+
+def parse_mesh(items: list[str] | None) -> dict[str, int]:
+    """["expert=8", "data=2"] -> {"expert": 8, "data": 2}."""
+    mesh: dict[str, int] = {}
+    for item in items or []:
+        name, _, size = item.partition("=")
+        if not name or not size.isdigit() or int(size) < 1:
+            raise ConfigError(f"--mesh {item!r}: expected AXIS=SIZE with SIZE >= 1, e.g. expert=8")
+        mesh[name] = int(size)
+    return mesh
+
+
+def farskip_overrides(farskip: str | None, farskip_range: str | None) -> dict[str, Any]:
+    """--farskip on|off and --farskip-range START:END (inclusive layer indices, either may be empty)."""
+    ov: dict[str, Any] = {}
+    if farskip is not None:
+        if farskip not in ("on", "off"):
+            raise ConfigError(f"--farskip {farskip!r}: allowed: on, off")
+        ov["farskip.enabled"] = farskip == "on"
+    if farskip_range is not None:
+        if farskip == "off":
+            raise ConfigError("--farskip-range contradicts --farskip off")
+        m = re.fullmatch(r"\s*(\d*)\s*:\s*(\d*)\s*", farskip_range)
+        if not m:
+            raise ConfigError(f"--farskip-range {farskip_range!r}: expected START:END, e.g. 1:26")
+        ov["farskip.enabled"] = True
+        ov["farskip.start_idx"] = int(m.group(1)) if m.group(1) else None
+        ov["farskip.end_idx"] = int(m.group(2)) if m.group(2) else None
+    return ov
+
+
+def apply_overrides(cfg: ModelConfig, overrides: dict[str, Any]) -> ModelConfig:
+    if not overrides:
+        return cfg
+    return from_dict(ModelConfig, _apply_overrides(to_dict(cfg), overrides, "model"), "model")
+
+
+def _raise_problems(what: str, problems: list[str]) -> None:
+    if problems:
+        listed = "\n  - ".join(problems[:_MAX_LISTED])
+        more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
+        raise CheckpointError(f"{len(problems)} problem(s) in {what}:\n  - {listed}{more}")
+
+
+# --------------------------------------------------------------------------------------------
+# Validation (everything is checked before anything is written)
+
+
+def contradiction_errors(source: TensorSource, cfg: ModelConfig) -> list[str]:
+    """config.json keys that the tensors contradict; clearer than the missing/unexpected they cause."""
+    errs: list[str] = []
+    keys = source.keys()
+    where = lambda k: f"{source.key_to_file[k].name}: tensor {k!r}"
+    for k in keys:
+        if re.search(r"\.mlp\.experts\.(gate_up_proj|down_proj)$", k):
+            errs.append(f"{where(k)} is transformers' fused in-memory expert layout; write the model with "
+                        "save_pretrained() (one tensor per expert) and convert that")
+    emb = "model.embed_tokens.weight"
+    if emb in source.key_to_file and source.shape(emb) != (cfg.vocab_size, cfg.hidden_size):
+        errs.append(f"{where(emb)} has shape {list(source.shape(emb))} but config.json says "
+                    f"vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}")
+    layer_keys: dict[int, str] = {}
+    experts: dict[int, dict[int, str]] = {}
+    for k in keys:
+        if m := re.match(r"model\.layers\.(\d+)\.", k):
+            layer_keys.setdefault(int(m.group(1)), k)
+            if e := re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.", k):
+                experts.setdefault(int(e.group(1)), {}).setdefault(int(e.group(2)), k)
+    if layer_keys and max(layer_keys) + 1 != cfg.num_layers:
+        top = max(layer_keys)
+        errs.append(f"config.json num_hidden_layers={cfg.num_layers} but the checkpoint has tensors for "
+                    f"{top + 1} layers ({where(layer_keys[top])})")
+    for i, found in sorted(experts.items()):
+        example = where(found[max(found)])
+        if i < cfg.num_layers and not cfg.is_moe_layer(i):
+            errs.append(f"config.json makes layer {i} dense (first_k_dense_replace="
+                        f"{cfg.first_k_dense_replace}, moe_layer_freq={cfg.moe_layer_freq}) but {example} is "
+                        "a routed expert")
+        elif len(found) != cfg.n_routed_experts or max(found) + 1 != cfg.n_routed_experts:
+            errs.append(f"config.json n_routed_experts={cfg.n_routed_experts} but layer {i} has {len(found)} "
+                        f"routed experts (highest index {max(found)}: {example})")
+    return errs
+
+
+def source_errors(source: TensorSource, cfg: ModelConfig, specs: list[ParamSpec]) -> list[str]:
+    errs = contradiction_errors(source, cfg)
+    if errs:
+        return errs
+    index = hf_key_index(specs)
+    have = set(source.keys())
+    for k in (k for k in index if k not in have):
+        errs.append(f"{source.dir}: missing tensor {k!r} (needed for parameter {index[k][0].name})")
+    for k in sorted(have - set(index)):
+        errs.append(f"{source.key_to_file[k].name}: unexpected tensor {k!r} (not a DeepseekV2 parameter "
+                    "for this config.json)")
+    for k, (spec, _) in index.items():
+        if k not in have:
+            continue
+        shape, dt = source.shape(k), source.dtype_name(k)
+        if shape != spec.hf_shape:
+            errs.append(f"{source.key_to_file[k].name}: tensor {k!r} has shape {list(shape)}, expected "
+                        f"{list(spec.hf_shape)} for the config (parameter {spec.name})")
+        if dt not in ("float32", "bfloat16", "float16"):
+            errs.append(f"{source.key_to_file[k].name}: tensor {k!r} has dtype {dt}; expected float32, "
+                        "bfloat16 or float16")
+    return errs
+
+
+def resolve_dtype(source: TensorSource, specs: list[ParamSpec], requested: str | None) -> str:
+    """--dtype, or the source's own dtype when every tensor has the same bf16/fp32 dtype."""
+    if requested is not None:
+        return requested
+    seen: dict[str, str] = {}
+    for s in specs:
+        for k in s.hf_keys:
+            seen.setdefault(source.dtype_name(k), k)
+    if len(seen) == 1 and next(iter(seen)) in ("float32", "bfloat16"):
+        return next(iter(seen))
+    found = ", ".join(f"{d} ({source.key_to_file[k].name}: {k!r})" for d, k in seen.items())
+    raise CheckpointError(f"{source.dir}: source tensors have dtype(s) {found}; pass --dtype bf16 or fp32")
+
+
+def output_errors(output: Path, overwrite: bool, inputs: list[Path]) -> list[str]:
+    out = output.resolve()
+    for i in inputs:
+        i = i.resolve()
+        if out == i or i in out.parents or out in i.parents:
+            return [f"{output}: the output directory must not contain or be inside the input {i}"]
+    if output.exists() and not output.is_dir():
+        return [f"{output}: exists and is not a directory"]
+    if output.is_dir() and any(output.iterdir()) and not overwrite:
+        return [f"{output}: output directory exists and is not empty; pass --overwrite to replace it"]
+    return []
+
+
+# --------------------------------------------------------------------------------------------
+# Atomic output directory
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def atomic_output_dir(output: Path, log: Callable[[str], None] = print) -> Iterator[Path]:
+    """Yields a temp dir next to `output`, renamed to `output` only when the body succeeds."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    # Temp dirs of killed conversions (their pid is gone) are removed so they don't pile up.
+    for stale in output.parent.glob(f".{output.name}{_TMP_TAG}*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            log(f"removing {stale} left by an interrupted conversion")
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = output.parent / f".{output.name}{_TMP_TAG}{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if output.exists():
+        # Rename the old output away first, so the output name always holds a complete checkpoint.
+        old = output.parent / f".{output.name}.farskip-old-{os.getpid()}"
+        output.rename(old)
+        tmp.rename(output)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(output)
+
+
+def progress_bar(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not enabled,
+                dynamic_ncols=True)
+
+
+def _test_pause() -> None:
+    pause = float(os.environ.get(TEST_PAUSE_ENV, "0") or 0)
+    if pause > 0:
+        print("farskip-convert: test pause after the first group", flush=True)
+        time.sleep(pause)
+
+
+# --------------------------------------------------------------------------------------------
+# HF -> Orbax
+
+
+def read_param_as(source: TensorSource, spec: ParamSpec, dtype: np.dtype) -> np.ndarray:
+    """One parameter in our layout and `dtype`, C-contiguous (what TensorStore writes without a copy).
+
+    Stacked experts are filled into one preallocated array expert by expert, so at most one HF
+    expert tensor is held besides the result.
+    """
+    if is_stacked(spec):
+        out = np.empty(spec.shape, dtype)
+        for j, key in enumerate(spec.hf_keys):
+            out[j] = spec.to_ours([source.read(key)])[0]
+        return out
+    arr = spec.to_ours([source.read(spec.hf_keys[0])])
+    if arr.shape != spec.shape:
+        raise CheckpointError(f"parameter {spec.name}: built shape {arr.shape} != {spec.shape}")
+    return np.ascontiguousarray(arr, dtype=dtype)
+
+
+def hf_key_label(spec: ParamSpec) -> str:
+    if not is_stacked(spec):
+        return spec.hf_keys[0]
+    return re.sub(r"\.experts\.0\.", f".experts.{{0..{len(spec.hf_keys) - 1}}}.", spec.hf_keys[0])
+
+
+def mapping_table(specs: list[ParamSpec], src_dtype: Callable[[ParamSpec], str], dtype: str) -> str:
+    rows = [("HF key(s)", "HF shape", "our path", "our shape", "dtype", "bytes")]
+    for s in specs:
+        n = len(s.hf_keys)
+        hf_shape = (f"{n} x " if n > 1 else "") + str(list(s.hf_shape))
+        nbytes = int(np.prod(s.shape)) * np_dtype(dtype).itemsize
+        rows.append((hf_key_label(s), hf_shape, s.name, str(list(s.shape)), f"{src_dtype(s)}->{dtype}",
+                     f"{nbytes:,}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def check_mesh(mesh: dict[str, int], cfg: ModelConfig) -> None:
+    ep = mesh.get("expert", 1) * mesh.get("tensor", 1)
+    if cfg.n_routed_experts % ep:
+        raise ConfigError(f"--mesh {mesh}: expert x tensor = {ep} does not divide n_routed_experts="
+                          f"{cfg.n_routed_experts}")
+
+
+def convert_hf_to_orbax(input_dir: str | Path, output_dir: str | Path, *, dtype: str | None = None,
+                        mesh: dict[str, int] | None = None, overrides: dict[str, Any] | None = None,
+                        dry_run: bool = False, overwrite: bool = False, progress: bool = True,
+                        log: Callable[[str], None] = print) -> Summary:
+    """Validates an HF DeepSeek-V2 directory, then writes it as a farskip Orbax checkpoint."""
+    import orbax.checkpoint as ocp
+
+    from farskip_jax.checkpoint.hf_load import config_from_dir
+
+    src, out = Path(input_dir), Path(output_dir)
+    base_cfg = config_from_dir(src)
+    source = TensorSource(src)
+    specs = param_specs(base_cfg)
+    _raise_problems(f"HF checkpoint {src}", source_errors(source, base_cfg, specs))
+    dtype = resolve_dtype(source, specs, parse_dtype(dtype))
+    cfg = apply_overrides(base_cfg, {**(overrides or {}), "param_dtype": dtype})
+    check_mesh(mesh or {}, cfg)
+    _raise_problems("the output", output_errors(out, overwrite, [src]))
+    groups = group_specs(specs)
+    itemsize = np_dtype(dtype).itemsize
+    summary = Summary(tensors=sum(len(s.hf_keys) for s in specs),
+                      params=sum(int(np.prod(s.shape)) for s in specs))
+    total = summary.params * itemsize
+    if dry_run:
+        log(mapping_table(specs, lambda s: source.dtype_name(s.hf_keys[0]), dtype))
+        log(f"\n{len(groups)} Orbax groups, {summary.tensors} HF tensors -> {len(specs)} parameters, "
+            f"{summary.params:,} parameters, {total:,} bytes ({total / 1e9:.3f} GB) to write to {out}")
+        largest = max(sum(int(np.prod(s.shape)) for s in g.specs) * itemsize for g in groups)
+        log(f"largest group (bounds host memory): {largest / 1e9:.3f} GB; FarSkip layers: "
+            f"{list(cfg.farskip.layer_range(cfg.num_layers))}")
+        return summary
+    t0 = time.perf_counter()
+    ckptr = ocp.Checkpointer(ocp.StandardCheckpointHandler())
+    with atomic_output_dir(out, log) as tmp, progress_bar(total, "HF -> Orbax", progress) as bar:
+        shutil.copyfile(src / "config.json", tmp / "config.json")
+        (tmp / MODEL_CONFIG).write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
+        (tmp / "params").mkdir()
+        marker_groups = []
+        for gi, group in enumerate(groups):
+            tree: dict = {}
+            save_args: dict = {}
+            for spec in group.specs:
+                arr = read_param_as(source, spec, np_dtype(dtype))
+                nest_set(tree, spec.path, arr)
+                # One chunk per expert: an EP restore reads only the experts it owns.
+                nest_set(save_args, spec.path, ocp.SaveArgs(shard_axes=(0,) if is_stacked(spec) else ()))
+                bar.update(arr.nbytes)
+            bar.set_postfix_str(f"writing {group.name}")
+            ckptr.save(tmp / "params" / group.name, args=ocp.args.StandardSave(tree, save_args=save_args))
+            del tree, save_args
+            marker_groups.append({"name": group.name, "dir": f"params/{group.name}",
+                                  "params": [{"path": list(s.path), "shape": list(s.shape)}
+                                             for s in group.specs]})
+            if gi == 0:
+                _test_pause()
+        marker = {"format": FORMAT, "version": VERSION, "dtype": dtype, "groups": marker_groups,
+                  "num_params": summary.params, "bytes": total, "mesh": mesh or {}, "source": str(src)}
+        (tmp / MARKER).write_text(json.dumps(marker, indent=1) + "\n")  # last: marks completion
+    summary.bytes, summary.seconds = total, time.perf_counter() - t0
+    log(summary.line(f"wrote {out}:"))
+    return summary
+
+
+# --------------------------------------------------------------------------------------------
+# Restore
+
+
+def is_orbax_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / MARKER).is_file()
+
+
+def read_marker(path: str | Path) -> dict:
+    f = Path(path) / MARKER
+    if not f.is_file():
+        raise CheckpointError(f"{path}: no {MARKER}; not a complete farskip Orbax checkpoint (an "
+                              "interrupted conversion leaves none)")
+    marker = json.loads(f.read_text())
+    if marker.get("format") != FORMAT or marker.get("version") != VERSION:
+        raise CheckpointError(f"{f}: format {marker.get('format')!r} version {marker.get('version')!r}; "
+                              f"expected {FORMAT!r} version {VERSION}")
+    return marker
+
+
+def load_model_config(path: str | Path, **overrides: Any) -> ModelConfig:
+    f = Path(path) / MODEL_CONFIG
+    if not f.is_file():
+        raise CheckpointError(f"{path}: no {MODEL_CONFIG}")
+    base = from_dict(ModelConfig, json.loads(f.read_text()), "model")
+    return apply_overrides(base, overrides)
+
+
+def mesh_shardings(cfg: ModelConfig, mesh: Any) -> dict:
+    """NamedShardings for every parameter from the project's one table (`parallel.mesh`, EP layout):
+    routed experts split on their leading axis over mesh axis 'expert', everything else replicated."""
+    import jax
+
+    from farskip_jax.parallel.mesh import param_shardings
+
+    ep = dict(mesh.shape).get("expert", 1)
+    if cfg.n_routed_experts % ep:
+        raise ConfigError(f"mesh axis expert={ep} does not divide n_routed_experts={cfg.n_routed_experts}")
+    abstract: dict = {}
+    for s in param_specs(cfg):
+        nest_set(abstract, s.path, jax.ShapeDtypeStruct(s.shape, np.float32))
+    return param_shardings(abstract, mesh)
+
+
+def _sharding_fn(shardings: Any, cfg: ModelConfig) -> Callable[[tuple], Any]:
+    import jax
+    from jax.sharding import Mesh
+
+    if shardings is None:
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return lambda path: one
+    if isinstance(shardings, Mesh):
+        shardings = mesh_shardings(cfg, shardings)
+    if callable(shardings):
+        return shardings
+    return lambda path: nest_get(shardings, path)
+
+
+def check_marker_params(path: Path, marker: dict, cfg: ModelConfig) -> None:
+    saved = {tuple(p["path"]): tuple(p["shape"]) for g in marker["groups"] for p in g["params"]}
+    problems = []
+    for s in param_specs(cfg):
+        if s.path not in saved:
+            problems.append(f"{path}: parameter {s.name} is not in the checkpoint")
+        elif saved[s.path] != s.shape:
+            problems.append(f"{path}: parameter {s.name} has shape {list(saved[s.path])}, the config "
+                            f"needs {list(s.shape)}")
+    names = {s.path for s in param_specs(cfg)}
+    problems += [f"{path}: checkpoint parameter {'/'.join(map(str, p))} is not in the config"
+                 for p in saved if p not in names]
+    _raise_problems(f"Orbax checkpoint {path}", problems)
+
+
+def restore_group(path: Path, group: dict, dtype: Any, sharding_fn: Callable[[tuple], Any] | None) -> dict:
+    """One group as a nested dict; numpy arrays when `sharding_fn` is None, else sharded jax.Arrays."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    target: dict = {}
+    for p in group["params"]:
+        pth = tuple(p["path"])
+        sharding = sharding_fn(pth) if sharding_fn is not None else None
+        nest_set(target, pth, jax.ShapeDtypeStruct(tuple(p["shape"]), dtype, sharding=sharding))
+    ckptr = ocp.Checkpointer(ocp.StandardCheckpointHandler())
+    return ckptr.restore(path / group["dir"], args=ocp.args.StandardRestore(target))
+
+
+def restore_params(path: str | Path, cfg: ModelConfig, shardings: Any = None) -> dict:
+    """The parameter pure dict of a converted checkpoint, restored straight into `shardings`.
+
+    `shardings`: None (the first device), a `jax.sharding.Mesh` (`mesh_shardings`), a pure
+    dict of shardings like the parameter tree, or a callable path -> sharding. Arrays are cast to
+    `cfg.param_dtype` while reading; no array is gathered on one host.
+    """
+    from farskip_jax.model.layers import DTYPES
+
+    path = Path(path)
+    marker = read_marker(path)
+    check_marker_params(path, marker, cfg)
+    fn = _sharding_fn(shardings, cfg)
+    out: dict = {}
+    for group in marker["groups"]:
+        deep_merge(out, restore_group(path, group, DTYPES[cfg.param_dtype], fn))
+    return out
+
+
+def load_model(path: str | Path, mesh: Any = None, **overrides: Any):
+    """A `Transformer` from a converted directory (what `from_pretrained` calls for one)."""
+    from flax import nnx
+
+    from farskip_jax.model.transformer import Transformer
+
+    cfg = load_model_config(path, **overrides)
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    params = restore_params(path, cfg, mesh)
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)

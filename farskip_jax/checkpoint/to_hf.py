@@ -1,0 +1,266 @@
+"""Orbax -> HF DeepSeek-V2: size-limited safetensors shards written as the parameters stream by.
+
+Inputs: a directory written by `convert_hf_to_orbax` (marker `farskip_checkpoint.json`), or a
+training checkpoint step directory. For the latter we assume the trainer's Orbax CheckpointManager
+layout `RUN_DIR/checkpoints/STEP/{params,opt_state,meta}`: item "params" is the student's parameter
+pure dict (the same tree as `nnx.to_pure_dict(nnx.state(model, nnx.Param))`) saved as a standard
+Orbax PyTree, and item "meta" is a JSON item whose `model_config` (or `model`, or `config.model`)
+holds our ModelConfig as a dict (an HF config.json dict is accepted as well). Only "params" is read.
+
+Host memory stays bounded by one group (a layer's experts): every parameter group is restored on
+its own (a partial restore for training checkpoints), and shards are plain files whose header is
+computed up front from the planned tensor list, so each tensor is appended as soon as it exists.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from farskip_jax.checkpoint.convert import (
+    MARKER,
+    Group,
+    Summary,
+    _raise_problems,
+    apply_overrides,
+    atomic_output_dir,
+    check_marker_params,
+    group_specs,
+    hf_key_label,
+    is_orbax_checkpoint,
+    load_model_config,
+    nest_get,
+    nest_set,
+    output_errors,
+    parse_dtype,
+    progress_bar,
+    read_marker,
+    restore_group,
+)
+from farskip_jax.checkpoint.hf_io import CheckpointError, np_dtype
+from farskip_jax.checkpoint.hf_keys import ParamSpec, param_specs
+from farskip_jax.config import ConfigError, ModelConfig, from_dict
+
+ST_TAGS = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+INDEX = "model.safetensors.index.json"
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '20KB', '1000' -> bytes (decimal units, as transformers' max_shard_size)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ConfigError(f"--max-shard-size {text!r}: expected e.g. 5GB, 500MB, 20KB")
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading parameter groups
+
+
+class ParamsReader:
+    """Reads one parameter group at a time as numpy arrays in their stored dtype."""
+
+    def __init__(self, path: str | Path, **overrides: Any):
+        self.path = Path(path)
+        if is_orbax_checkpoint(self.path):
+            self.kind = "converted"
+            marker = read_marker(self.path)
+            self.cfg = load_model_config(self.path, **overrides)
+            check_marker_params(self.path, marker, self.cfg)
+            self._groups = {g["name"]: g for g in marker["groups"]}
+            self.stored_dtype = marker["dtype"]
+        elif is_trainer_step(self.path):
+            self.kind = "training checkpoint"
+            self.cfg = apply_overrides(trainer_model_config(self.path), overrides)
+            self.stored_dtype = self._trainer_dtype()
+        else:
+            raise CheckpointError(f"{self.path}: neither a converted checkpoint ({MARKER}) nor a training "
+                                  "checkpoint step (params/ and meta/ items)")
+
+    def _trainer_dtype(self) -> str:
+        import orbax.checkpoint as ocp
+
+        meta = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(self.path / "params")
+        tree = getattr(meta, "item_metadata", meta)
+        tree = getattr(tree, "tree", tree)
+        problems, dtypes = [], set()
+        for s in param_specs(self.cfg):
+            try:
+                leaf = nest_get(tree, tuple(str(p) for p in s.path))
+            except (KeyError, TypeError):
+                problems.append(f"{self.path / 'params'}: parameter {s.name} is missing")
+                continue
+            if tuple(leaf.shape) != s.shape:
+                problems.append(f"{self.path / 'params'}: parameter {s.name} has shape "
+                                f"{list(leaf.shape)}, the config needs {list(s.shape)}")
+            dtypes.add(np.dtype(leaf.dtype).name)
+        _raise_problems(f"training checkpoint {self.path}", problems)
+        if len(dtypes) != 1:
+            raise CheckpointError(f"{self.path / 'params'}: mixed parameter dtypes {sorted(dtypes)}")
+        return dtypes.pop()
+
+    def read(self, group: Group) -> dict:
+        if self.kind == "converted":
+            return restore_group(self.path, self._groups[group.name], np_dtype(self.stored_dtype), None)
+        import jax
+        import orbax.checkpoint as ocp
+
+        target: dict = {}
+        for s in group.specs:
+            nest_set(target, s.path, jax.ShapeDtypeStruct(s.shape, np_dtype(self.stored_dtype)))
+        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
+        ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+        return ckptr.restore(self.path / "params", args=ocp.args.PyTreeRestore(
+            item=target, restore_args=restore_args, partial_restore=True))
+
+
+def is_trainer_step(path: Path) -> bool:
+    return (path / "params").is_dir() and (path / "meta").is_dir()
+
+
+def trainer_model_config(step_dir: Path) -> ModelConfig:
+    """Our assumption about the trainer's "meta" JSON item (see the module docstring)."""
+    files = [f for f in sorted((step_dir / "meta").iterdir()) if f.is_file() and not f.name.startswith("_")]
+    for f in files:
+        try:
+            meta = json.loads(f.read_text())
+        except ValueError:
+            continue
+        if not isinstance(meta, dict):
+            continue
+        for cand in (meta.get("model_config"), meta.get("model"), (meta.get("config") or {}).get("model")):
+            if isinstance(cand, dict):
+                if "num_hidden_layers" in cand:
+                    return ModelConfig.from_hf_dict(cand)
+                return from_dict(ModelConfig, cand, "model")
+    raise CheckpointError(f"{step_dir / 'meta'}: no JSON with a model config under 'model_config', 'model' "
+                          "or 'config.model'")
+
+
+# --------------------------------------------------------------------------------------------
+# Streaming safetensors shards
+
+
+Entry = tuple[str, tuple[int, ...]]  # HF key, shape
+
+
+def plan_shards(entries: list[Entry], itemsize: int, max_bytes: int) -> list[list[Entry]]:
+    shards: list[list[Entry]] = [[]]
+    size = 0
+    for key, shape in entries:
+        n = int(np.prod(shape)) * itemsize
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((key, shape))
+        size += n
+    return shards
+
+
+class ShardWriter:
+    """Writes one safetensors file whose tensors arrive in the planned order."""
+
+    def __init__(self, path: Path, entries: list[Entry], dtype: str):
+        self.path, self.entries, self.dtype, self.pos = path, entries, np_dtype(dtype), 0
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for key, shape in entries:
+            n = int(np.prod(shape)) * self.dtype.itemsize
+            header[key] = {"dtype": ST_TAGS[dtype], "shape": list(shape),
+                           "data_offsets": [offset, offset + n]}
+            offset += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
+        self.fh = open(path, "wb")  # noqa: SIM115 - closed by close()
+        self.fh.write(struct.pack("<Q", len(raw)) + raw)
+
+    def write(self, key: str, arr: np.ndarray) -> None:
+        exp_key, exp_shape = self.entries[self.pos]
+        if key != exp_key or arr.shape != exp_shape or arr.dtype != self.dtype:
+            raise CheckpointError(f"{self.path.name}: got {key} {arr.shape} {arr.dtype}, planned {exp_key} "
+                                  f"{exp_shape} {self.dtype}")
+        self.fh.write(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
+        self.pos += 1
+
+    @property
+    def done(self) -> bool:
+        return self.pos == len(self.entries)
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+def convert_orbax_to_hf(input_dir: str | Path, output_dir: str | Path, *, dtype: str | None = None,
+                        overrides: dict[str, Any] | None = None, max_shard_size: str = "5GB",
+                        dry_run: bool = False, overwrite: bool = False, progress: bool = True,
+                        log: Callable[[str], None] = print) -> Summary:
+    """A converted or training checkpoint -> HF safetensors shards + index + config.json."""
+    src, out = Path(input_dir), Path(output_dir)
+    reader = ParamsReader(src, **(overrides or {}))
+    out_dtype = parse_dtype(dtype) or reader.stored_dtype
+    if out_dtype not in ST_TAGS:
+        raise CheckpointError(f"{src}: stored dtype {out_dtype}; pass --dtype bf16 or fp32")
+    cfg = apply_overrides(reader.cfg, {"param_dtype": "bfloat16" if out_dtype == "bfloat16" else "float32"})
+    _raise_problems("the output", output_errors(out, overwrite, [src]))
+    specs = param_specs(cfg)
+    groups = group_specs(specs)
+    itemsize = np_dtype(out_dtype).itemsize
+    # Planned in the order the groups are read, which is the order tensors reach the writer.
+    entries = [(k, s.hf_shape) for g in groups for s in g.specs for k in s.hf_keys]
+    shards = plan_shards(entries, itemsize, parse_size(max_shard_size))
+    summary = Summary(tensors=len(entries), params=sum(int(np.prod(s.shape)) for s in specs))
+    total = summary.params * itemsize
+    if dry_run:
+        _print_plan(log, specs, reader.stored_dtype, out_dtype, shards, total, out, reader.kind)
+        return summary
+    t0 = time.perf_counter()
+    n = len(shards)
+    names = (["model.safetensors"] if n == 1
+             else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
+    weight_map = {k: names[i] for i, sh in enumerate(shards) for k, _ in sh}
+    with atomic_output_dir(out, log) as tmp, progress_bar(total, "Orbax -> HF", progress) as bar:
+        shard_i, writer = 0, ShardWriter(tmp / names[0], shards[0], out_dtype)
+        for group in groups:
+            bar.set_postfix_str(f"reading {group.name}")
+            tree = reader.read(group)
+            for spec in group.specs:
+                arr = np.asarray(nest_get(tree, spec.path)).astype(np_dtype(out_dtype), copy=False)
+                for key, t in zip(spec.hf_keys, spec.to_hf(arr), strict=True):
+                    if writer.done:
+                        writer.close()
+                        shard_i += 1
+                        writer = ShardWriter(tmp / names[shard_i], shards[shard_i], out_dtype)
+                    writer.write(key, t)
+                bar.update(arr.nbytes)
+            del tree
+        writer.close()
+        if n > 1:
+            (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+    summary.bytes, summary.seconds = total, time.perf_counter() - t0
+    log(summary.line(f"wrote {out} ({n} shard(s)):"))
+    return summary
+
+
+def _print_plan(log, specs: list[ParamSpec], stored: str, out_dtype: str, shards: list[list[Entry]],
+                total: int, out: Path, kind: str) -> None:
+    rows = [("our path", "our shape", "HF key(s)", "HF shape", "dtype")]
+    for s in specs:
+        n = len(s.hf_keys)
+        rows.append((s.name, str(list(s.shape)), hf_key_label(s),
+                     (f"{n} x " if n > 1 else "") + str(list(s.hf_shape)), f"{stored}->{out_dtype}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        log("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    log(f"\n{kind} -> {sum(len(s) for s in shards)} HF tensors in {len(shards)} shard(s), {total:,} bytes "
+        f"({total / 1e9:.3f} GB) to write to {out}")

@@ -1,0 +1,303 @@
+"""convert_torch_ckpt.py: HF <-> Orbax round trips, logits, EP restore, validation, interruption."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from convert_torch_ckpt import main as cli  # noqa: E402
+from farskip_jax import from_pretrained  # noqa: E402
+from farskip_jax.checkpoint.convert import MARKER, TEST_PAUSE_ENV, load_model_config  # noqa: E402
+from farskip_jax.checkpoint.hf_io import CheckpointError, TensorSource  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+E = 8
+IDS = np.array([[3, 17, 5, 60, 22, 9, 41, 2, 33, 12, 7, 50]], dtype=np.int64)
+
+
+def _hf_config(**kw):
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
+                kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=E,
+                n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+                max_position_embeddings=64)
+    base.update(kw)
+    return transformers.DeepseekV2Config(**base)
+
+
+def _random_hf_model(seed: int):
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV2ForCausalLM(_hf_config()).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # Small-magnitude weights keep fp32 logits comparable to 1e-4; norms stay near 1.
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    return model
+
+
+def _hf_logits(model) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.from_numpy(IDS)).logits.float().numpy()
+
+
+@nnx.jit
+def _forward(model, ids):
+    return model(ids).logits
+
+
+def _our_logits(model) -> np.ndarray:
+    return np.asarray(_forward(model, jnp.asarray(IDS, jnp.int32)))
+
+
+def _tensors(d: Path) -> dict[str, np.ndarray]:
+    src = TensorSource(d)
+    return {k: src.read(k) for k in src.keys()}
+
+
+def _same_tensors(a: dict, b: dict) -> None:
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert a[k].tobytes() == b[k].tobytes(), k
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """Tiny random DeepseekV2 written by transformers, sharded into several safetensors files."""
+    d = tmp_path_factory.mktemp("hf")
+    model = _random_hf_model(0)
+    model.save_pretrained(d, max_shard_size="40KB")
+    assert len(list(d.glob("*.safetensors"))) > 3
+    np.save(d.parent / "hf_logits.npy", _hf_logits(model))
+    return d
+
+
+@pytest.fixture(scope="module")
+def hf_logits(hf_dir):
+    return np.load(hf_dir.parent / "hf_logits.npy")
+
+
+@pytest.fixture(scope="module")
+def bin_dir(hf_dir, tmp_path_factory):
+    """The same weights as pytorch_model.bin (torch.save of the state dict) + a legacy yarn config."""
+    d = tmp_path_factory.mktemp("hfbin")
+    sd = {k: torch.from_numpy(v.copy()) for k, v in _tensors(hf_dir).items()}
+    torch.save(sd, d / "pytorch_model.bin")
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg.pop("rope_parameters")
+    cfg["rope_theta"] = 10000.0
+    cfg["rope_scaling"] = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                           "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.fixture(scope="module")
+def orbax_dir(hf_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("orbax") / "ckpt"
+    assert cli(["--input", str(hf_dir), "--output", str(out), "--mesh", "expert=8", "--no-progress"]) == 0
+    return out
+
+
+def test_layout_and_config(orbax_dir, hf_dir):
+    assert (orbax_dir / MARKER).is_file() and (orbax_dir / "params" / "layer_001_experts_w_up").is_dir()
+    original = json.loads((hf_dir / "config.json").read_text())
+    assert json.loads((orbax_dir / "config.json").read_text()) == original
+    cfg = load_model_config(orbax_dir)
+    assert cfg.param_dtype == "float32" and cfg.n_routed_experts == E and not cfg.farskip.enabled
+    assert not list(orbax_dir.parent.glob(".ckpt.farskip-tmp-*"))
+
+
+def test_logits_match_hf(orbax_dir, hf_logits):
+    logits = _our_logits(from_pretrained(orbax_dir))
+    assert np.abs(logits - hf_logits).max() <= 1e-4
+
+
+def test_roundtrip_bitwise_and_hf_loads(orbax_dir, hf_dir, hf_logits, tmp_path):
+    out = tmp_path / "hf_back"
+    assert cli(["--to-hf", "--input", str(orbax_dir), "--output", str(out), "--max-shard-size", "30KB",
+                "--no-progress"]) == 0
+    assert len(list(out.glob("*.safetensors"))) > 3 and (out / "model.safetensors.index.json").is_file()
+    _same_tensors(_tensors(hf_dir), _tensors(out))
+    model, info = transformers.DeepseekV2ForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    np.testing.assert_array_equal(_hf_logits(model.eval()), hf_logits)
+
+
+def test_bin_and_legacy_rope_config(bin_dir, tmp_path):
+    out = tmp_path / "o"
+    assert cli(["--input", str(bin_dir), "--output", str(out), "--no-progress"]) == 0
+    cfg = load_model_config(out)
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.factor == 4.0
+    # Same parameters as loading the .bin directly (logits vs HF are covered by test_logits_match_hf).
+    ours, direct = (nnx.to_pure_dict(nnx.state(from_pretrained(d), nnx.Param)) for d in (out, bin_dir))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), ours, direct)
+    back = tmp_path / "back"
+    assert cli(["--to-hf", "--input", str(out), "--output", str(back), "--no-progress"]) == 0
+    _same_tensors(_tensors(bin_dir), _tensors(back))
+    hf_cfg = json.loads((back / "config.json").read_text())
+    assert hf_cfg["rope_parameters"]["rope_type"] == "yarn" and hf_cfg["rope_parameters"]["factor"] == 4.0
+
+
+def test_restore_into_ep8_mesh(orbax_dir):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("expert",))
+    model = from_pretrained(orbax_dir, mesh=mesh)
+    w = model.layers[1].moe.experts.w_gate[...]
+    assert w.shape == (E, 32, 16)
+    for shard in w.addressable_shards:
+        assert shard.data.shape == (1, 32, 16)
+        assert shard.index[0] == slice(shard.device.id, shard.device.id + 1)
+    ref = np.asarray(from_pretrained(orbax_dir).layers[1].moe.experts.w_gate[...])
+    for shard in w.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), ref[shard.index])
+    q = model.layers[1].attn.q_proj[...]
+    assert all(s.data.shape == q.shape for s in q.addressable_shards)  # replicated
+
+
+def test_bf16_farskip_and_dry_run(hf_dir, tmp_path, capsys):
+    out = tmp_path / "bf"
+    args = ["--input", str(hf_dir), "--output", str(out), "--dtype", "bf16", "--farskip", "on",
+            "--farskip-range", "1:2", "--no-progress"]
+    assert cli(args + ["--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "model.layers.1.mlp.experts.{0..7}.gate_proj.weight" in text
+    assert "layers/1/moe/experts/w_gate" in text
+    assert "bytes" in text and not out.exists()
+    assert cli(args) == 0
+    cfg = load_model_config(out)
+    assert cfg.param_dtype == "bfloat16" and cfg.farskip.enabled and cfg.farskip.start_idx == 1
+    model = from_pretrained(out)
+    assert model.embed[...].dtype == jnp.bfloat16
+    ref = TensorSource(hf_dir).read("model.embed_tokens.weight").astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(model.embed[...]), ref)
+    back = tmp_path / "bfhf"
+    assert cli(["--to-hf", "--input", str(out), "--output", str(back), "--no-progress"]) == 0
+    hf_cfg = json.loads((back / "config.json").read_text())
+    assert hf_cfg["farskip"] is True and hf_cfg["farskip_start_idx"] == 1 and hf_cfg["farskip_end_idx"] == 2
+    assert TensorSource(back).dtype_name("lm_head.weight") == "bfloat16"
+
+
+def test_training_checkpoint_to_hf(orbax_dir, hf_dir, tmp_path):
+    """Assumed trainer layout: CheckpointManager items params (pure dict), opt_state, meta (JSON)."""
+    import orbax.checkpoint as ocp
+
+    from farskip_jax.checkpoint.convert import restore_params
+    from farskip_jax.config import to_dict
+
+    cfg = load_model_config(orbax_dir)
+    params = jax.tree.map(np.asarray, restore_params(orbax_dir, cfg))
+    mngr = ocp.CheckpointManager(tmp_path / "run" / "checkpoints")
+    mngr.save(7, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
+                                         opt_state=ocp.args.StandardSave({"count": np.zeros((), np.int32)}),
+                                         meta=ocp.args.JsonSave({"step": 7, "model_config": to_dict(cfg)})))
+    mngr.wait_until_finished()
+    out = tmp_path / "hf"
+    assert cli(["--to-hf", "--input", str(tmp_path / "run" / "checkpoints" / "7"), "--output", str(out),
+                "--no-progress"]) == 0
+    _same_tensors(_tensors(hf_dir), _tensors(out))
+
+
+# --------------------------------------------------------------------------------------------
+# Validation: each error names the file and the tensor
+
+
+def _variant(hf_dir: Path, dst: Path, edit_tensors=None, edit_config=None) -> Path:
+    from safetensors.torch import save_file
+
+    dst.mkdir()
+    tensors = {k: torch.from_numpy(v.copy()) for k, v in _tensors(hf_dir).items()}
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    if edit_tensors:
+        edit_tensors(tensors)
+    if edit_config:
+        edit_config(cfg)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+EMB = "model.embed_tokens.weight"
+Q1 = "model.layers.1.self_attn.q_proj.weight"
+CASES = {
+    "missing": (lambda t: t.pop(Q1), None, [f"missing tensor '{Q1}'", "layers/1/attn/q_proj"]),
+    "unexpected": (lambda t: t.update({"model.layers.0.self_attn.extra.weight": torch.zeros(2)}), None,
+                   ["model.safetensors: unexpected tensor 'model.layers.0.self_attn.extra.weight'"]),
+    "shape": (lambda t: t.update({Q1: torch.zeros(47, 32)}), None,
+              [f"model.safetensors: tensor '{Q1}' has shape [47, 32], expected [48, 32]"]),
+    "dtype": (lambda t: t.update({Q1: torch.zeros(48, 32, dtype=torch.int64)}), None,
+              [f"model.safetensors: tensor '{Q1}' has dtype int64"]),
+    "experts": (None, lambda c: c.update(n_routed_experts=4, num_experts_per_tok=2),
+                ["config.json n_routed_experts=4 but layer 1 has 8 routed experts",
+                 "model.safetensors: tensor 'model.layers.1.mlp.experts.7."]),
+    "hidden": (None, lambda c: c.update(hidden_size=48),
+               [f"model.safetensors: tensor '{EMB}' has shape [64, 32] but config.json says vocab_size=64, "
+                "hidden_size=48"]),
+    "layers": (None, lambda c: c.update(num_hidden_layers=2),
+               ["config.json num_hidden_layers=2 but the checkpoint has tensors for 3 layers"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_validation_errors(case, hf_dir, tmp_path, capsys):
+    edit_t, edit_c, expected = CASES[case]
+    src = _variant(hf_dir, tmp_path / "src", edit_t, edit_c)
+    out = tmp_path / "out"
+    assert cli(["--input", str(src), "--output", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    for text in expected:
+        assert text in err, err
+    assert not out.exists()
+
+
+def test_mixed_dtype_needs_flag_and_output_dir_checks(hf_dir, tmp_path, capsys):
+    src = _variant(hf_dir, tmp_path / "src", lambda t: t.update({EMB: t[EMB].half()}))
+    out = tmp_path / "out"
+    assert cli(["--input", str(src), "--output", str(out), "--no-progress"]) == 2
+    assert "pass --dtype bf16 or fp32" in capsys.readouterr().err
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    assert cli(["--input", str(src), "--output", str(out), "--dtype", "fp32", "--no-progress"]) == 2
+    assert "output directory exists and is not empty; pass --overwrite" in capsys.readouterr().err
+    assert (out / "keep.txt").exists()
+    assert cli(["--input", str(src), "--output", str(out), "--dtype", "fp32", "--overwrite",
+                "--no-progress"]) == 0
+    assert not (out / "keep.txt").exists() and (out / MARKER).exists()
+
+
+def test_interrupted_conversion_leaves_nothing_loadable(hf_dir, tmp_path):
+    out = tmp_path / "killed"
+    env = {**os.environ, TEST_PAUSE_ENV: "120", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen([sys.executable, str(REPO / "convert_torch_ckpt.py"), "--input", str(hf_dir),
+                             "--output", str(out), "--no-progress"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, env=env, cwd=REPO, text=True)
+    try:
+        for line in proc.stdout:
+            if "test pause" in line:
+                break
+        tmp = list(tmp_path.glob(".killed.farskip-tmp-*"))
+        assert tmp and (tmp[0] / "params" / "embed").is_dir()  # really stopped mid-write
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert not out.exists()
+    with pytest.raises(CheckpointError):
+        from_pretrained(out)
+    # The next conversion to the same name removes the dead run's temp dir and succeeds.
+    assert cli(["--input", str(hf_dir), "--output", str(out), "--no-progress"]) == 0
+    assert not list(tmp_path.glob(".killed.farskip-tmp-*")) and (out / MARKER).exists()
+    shutil.rmtree(out)
