@@ -71,7 +71,8 @@ def build_train_step(cfg: Config, seqs_per_device: int, seq_len: int
                  "step": scalar, "skipped": scalar}
         n_batch = seqs_per_device * mesh.shape["data"] * mesh.shape["expert"]
         bsh = NamedSharding(mesh, P(None, BATCH_AXES))
-        batch = {k: jax.ShapeDtypeStruct((1, n_batch, seq_len), jnp.int32, sharding=bsh) for k in BATCH_FIELDS}
+        field = jax.ShapeDtypeStruct((1, n_batch, seq_len), jnp.int32, sharding=bsh)
+        batch = dict.fromkeys(BATCH_FIELDS, field)
         spec = LossSpec.from_train(tc, cached_teacher=False)
         step = make_train_step(spec, graphdef, None, tx, lr_schedule(tc), parallel=ExpertParallel(mesh))
         loss_scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)

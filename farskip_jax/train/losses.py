@@ -229,7 +229,8 @@ def chunked_topk_kl(
     normalizer: float | Array | None = None,
     chunk_size: int = 1024,
 ) -> tuple[Array, Metrics]:
-    """``topk_kl`` from student hidden states ``[..., d]`` and head ``[d, vocab]``, chunked along the sequence."""
+    """``topk_kl`` from student hidden states ``[..., d]`` and head ``[d, vocab]``, chunked along the
+    sequence."""
     t_logp = jax.lax.stop_gradient(teacher_topk_logprobs).astype(jnp.float32)
     t_ids = teacher_topk_ids.astype(jnp.int32)
     m = mask.astype(jnp.float32)
@@ -284,7 +285,8 @@ def chunked_cross_entropy(
     normalizer: float | Array | None = None,
     chunk_size: int = 1024,
 ) -> tuple[Array, Metrics]:
-    """``cross_entropy`` from hidden states ``[..., d]`` and head ``[d, vocab]``, chunked along the sequence."""
+    """``cross_entropy`` from hidden states ``[..., d]`` and head ``[d, vocab]``, chunked along the
+    sequence."""
     tg = targets.astype(jnp.int32)
     m = mask.astype(jnp.float32)
 

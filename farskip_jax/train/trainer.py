@@ -1,0 +1,385 @@
+"""The training loop: FCSD / SFT / LM steps, evaluation + early stopping, checkpoints, resume, guards.
+
+Test hooks (environment variables, read once per run; they exist so tests can crash a real process):
+  FARSKIP_TEST_KILL_AFTER_CHECKPOINT=N  SIGKILL this process right after the checkpoint of step N is on disk
+  FARSKIP_TEST_NAN_STEPS=3,4            poison the loss (NaN) at these 0-based steps
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from farskip_jax.checkpoint.manager import CheckpointManager
+from farskip_jax.config import Config, to_dict
+from farskip_jax.train import setup
+from farskip_jax.train.early_stop import EarlyStopper
+from farskip_jax.train.optim import lr_schedule, make_optimizer
+from farskip_jax.train.step import LossSpec, make_eval_step, make_train_step
+from farskip_jax.train.teacher_cache import TeacherCache
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive non-finite steps; the message names the last good checkpoint."""
+
+
+def _to_jsonable(x: Any) -> Any:
+    if isinstance(x, bytes):
+        return {"__bytes__": x.decode("latin-1")}
+    if isinstance(x, dict):
+        return {str(k): _to_jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_to_jsonable(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
+
+
+def _from_jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        if set(x) == {"__bytes__"}:
+            return x["__bytes__"].encode("latin-1")
+        return {k: _from_jsonable(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_from_jsonable(v) for v in x]
+    return x
+
+
+class MetricsLog:
+    """metrics.jsonl + TensorBoard event files (process 0 only)."""
+
+    def __init__(self, out: Path, resume_step: int):
+        self.enabled = jax.process_index() == 0
+        self.path = out / "metrics.jsonl"
+        self.tb = None
+        if self.enabled:
+            out.mkdir(parents=True, exist_ok=True)
+            if resume_step == 0 and self.path.exists():
+                self.path.unlink()
+            elif self.path.exists():
+                # Drop lines logged after the checkpoint we resume from, so the file reads as one run.
+                lines = [ln for ln in self.path.read_text().splitlines()
+                         if ln and json.loads(ln).get("step", 0) <= resume_step]
+                self.path.write_text("".join(ln + "\n" for ln in lines))
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(str(out / "tb"), purge_step=resume_step or None)
+
+    def write(self, kind: str, step: int, values: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"kind": kind, "step": step, **values}) + "\n")
+        for k, v in values.items():
+            if isinstance(v, int | float) and math.isfinite(v):
+                self.tb.add_scalar(f"{kind}/{k}", v, step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _env_steps(name: str) -> set[int]:
+    return {int(s) for s in os.environ.get(name, "").split(",") if s.strip()}
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        tc = cfg.train
+        self.out = Path(tc.output_dir)
+        self.mesh, self.parallel = setup.mesh_and_parallel(cfg)
+        self.cache = TeacherCache(tc.teacher_cache, tc.teacher_topk, tc.kl_temperature) \
+            if tc.teacher_cache and tc.mode == "fcsd" else None
+        self.spec = LossSpec.from_train(tc, cached_teacher=self.cache is not None)
+        if self.cache is not None and tc.hidden_l2_weight > 0:
+            raise ValueError("train.hidden_l2_weight needs the teacher's hidden states; it cannot be used "
+                             "with train.teacher_cache")
+        self.models = setup.build_models(cfg, self.mesh, need_teacher=self.spec.needs_teacher_model)
+        self.schedule = lr_schedule(tc)
+        self.tx = make_optimizer(tc, self.models.student_params)
+        params = self.models.student_params
+        # Scalars such as Adam's count come out of init on one device without a mesh sharding; give them
+        # the replicated mesh sharding the step returns, or the second step would recompile.
+        replicated = NamedSharding(self.mesh, P())
+        opt_state = jax.tree.map(
+            lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated),
+            jax.jit(self.tx.init)(params))
+        # Two separate buffers: the step donates its state, and one buffer cannot be donated twice.
+        zero = lambda: jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))
+        self.state = {"params": params, "opt_state": opt_state, "step": zero(), "skipped": zero()}
+        shardings = jax.tree.map(lambda x: x.sharding, self.state)
+        self.train_step = make_train_step(self.spec, self.models.student_graph, self.models.teacher_graph,
+                                          self.tx, self.schedule, self.parallel, shardings)
+        self.eval_step = make_eval_step(self.spec, self.models.student_graph, self.models.teacher_graph,
+                                        self.parallel)
+        self.data = setup.BatchStream(cfg, self.mesh, tc.grad_accum_steps)
+        self.eval_data = setup.eval_batches(cfg, self.mesh)
+        self.ckpt = CheckpointManager(self.out / "checkpoints", tc.keep_checkpoints)
+        self.stopper = EarlyStopper(tc.patience, tc.drop_threshold)
+        self.rng = jax.random.key_data(jax.random.key(tc.seed))
+        self.step = 0
+        self.loss_ema: float | None = None
+        self.counts = {"nonfinite_skipped": 0, "spikes": 0, "nonfinite_in_row": 0}
+
+    # ---- state <-> checkpoint -------------------------------------------------------------
+
+    def _pure_params(self) -> dict:
+        return nnx.to_pure_dict(self.state["params"])
+
+    def _meta(self) -> dict[str, Any]:
+        return {"step": self.step, "rng": np.asarray(self.rng).tolist(),
+                "data_state": _to_jsonable(self.data.get_state()), "early_stop": self.stopper.state(),
+                "loss_ema": self.loss_ema, "counts": dict(self.counts), "config": to_dict(self.cfg)}
+
+    def save(self, eval_metric: float | None = None) -> None:
+        self.ckpt.save(self.step, self._pure_params(), self.state["opt_state"], self._meta(), eval_metric)
+
+    def resume(self) -> bool:
+        """Restores the newest readable checkpoint; False when there is none (fresh start)."""
+        got = self.ckpt.restore(self._pure_params(), self.state["opt_state"])
+        if got is None:
+            log.warning("--resume: no readable checkpoint under %s; starting from scratch",
+                        self.ckpt.directory)
+            return False
+        step, pure, opt_state, meta = got
+        params = self.state["params"]
+        nnx.replace_by_pure_dict(params, pure)
+        put = lambda v: jax.device_put(jnp.asarray(v, jnp.int32), self.state["step"].sharding)
+        self.state = {"params": params, "opt_state": opt_state, "step": put(step),
+                      "skipped": put(meta["counts"]["nonfinite_skipped"])}
+        self.step = step
+        self.rng = np.asarray(meta["rng"], np.uint32)
+        self.data.set_state(_from_jsonable(meta["data_state"]))
+        self.stopper.load(meta["early_stop"])
+        self.loss_ema = meta["loss_ema"]
+        self.counts = dict(meta["counts"])
+        log.info("resumed from %s/%d", self.ckpt.directory, step)
+        return True
+
+    # ---- batches --------------------------------------------------------------------------
+
+    def _with_cache(self, host: dict[str, np.ndarray], name: str) -> dict[str, np.ndarray]:
+        if self.cache is None:
+            return host
+        return {**host, **self.cache.load(name, host["input_ids"])}
+
+    def evaluate(self) -> dict[str, float] | None:
+        if self.eval_data is None:
+            return None
+        sums: dict[str, float] = {}
+        sharding = NamedSharding(self.mesh, P(setup.BATCH_AXES))
+        for i, host in enumerate(self.eval_data):
+            host = self._with_cache(host, f"eval_{i:04d}")
+            batch = {k: jax.make_array_from_process_local_data(sharding, v) for k, v in host.items()}
+            out = jax.device_get(self.eval_step(self.state["params"], self.models.teacher_params, batch))
+            for k, v in out.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        n = max(sums["num_tokens"], 1.0)
+        res = {"next_token_acc": sums["correct"] / n, "tokens": sums["num_tokens"]}
+        if "agree" in sums:
+            res["teacher_agreement"] = sums["agree"] / n
+        if self.spec.mode == "fcsd":
+            res["kl"] = sums["kl_sum"] / n
+            res["loss"] = res["kl"]
+        else:
+            res["ce"] = sums["ce_sum"] / n
+            res["loss"] = res["ce"]
+        metric = self.cfg.train.eval_metric
+        res["metric"] = -res["loss"] if metric == "neg_loss" else res[metric]
+        return res
+
+    # ---- loop -----------------------------------------------------------------------------
+
+    def _record(self, m: dict[str, Any]) -> tuple[float, bool]:
+        """Host-side bookkeeping of one step's metrics: the non-finite counter and spike detection."""
+        loss, ok = float(m["loss"]), bool(m["ok"])
+        tc = self.cfg.train
+        if not ok:
+            self.counts["nonfinite_skipped"] += 1
+            self.counts["nonfinite_in_row"] += 1
+            log.warning("step %d: non-finite loss/gradient (loss=%s, grad_norm=%s); update skipped",
+                        self.step, loss, float(m["grad_norm"]))
+            return loss, False
+        self.counts["nonfinite_in_row"] = 0
+        if self.loss_ema is not None and loss > tc.spike_factor * self.loss_ema:
+            self.counts["spikes"] += 1
+            log.warning("step %d: loss spike %.4g > %.1f x running mean %.4g", self.step, loss,
+                        tc.spike_factor, self.loss_ema)
+        self.loss_ema = loss if self.loss_ema is None else 0.98 * self.loss_ema + 0.02 * loss
+        return loss, True
+
+    def _step_values(self, m: dict[str, Any], loss: float) -> dict[str, float]:
+        n = max(float(m["num_tokens"]), 1.0)
+        vals = {"loss": loss, "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]), "tokens": n}
+        if self.spec.mode == "fcsd":
+            vals["kl"] = float(m["kl_sum"]) / n
+            if self.spec.hidden_l2_weight > 0:
+                vals["hidden_l2"] = float(m["l2_sum"]) / n
+            if self.cache is not None:
+                vals["teacher_topk_mass"] = float(m["teacher_topk_mass_sum"]) / n
+        else:
+            vals["ce"] = float(m["ce_sum"]) / n
+        if self.spec.aux_loss:
+            vals["aux"] = float(m["aux"])
+        return vals
+
+    def run(self, resume: bool = False) -> dict[str, Any]:
+        from tqdm.auto import tqdm
+
+        tc = self.cfg.train
+        if resume:
+            self.resume()
+        kill_after = _env_steps("FARSKIP_TEST_KILL_AFTER_CHECKPOINT")
+        nan_steps = _env_steps("FARSKIP_TEST_NAN_STEPS")
+        mlog = MetricsLog(self.out, self.step)
+        if jax.process_index() == 0:
+            (self.out / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=1))
+        bar = tqdm(total=tc.total_steps, initial=self.step, disable=jax.process_index() != 0,
+                   dynamic_ncols=True, desc=f"{self.cfg.name}:{tc.mode}")
+        t0, tokens_seen, stop_reason, last_eval = time.perf_counter(), 0.0, None, None
+        real_tokens, loss = 0.0, float("nan")
+        try:
+            while self.step < tc.total_steps:
+                host = self._with_cache(self.data.next_host(), f"train_{self.step:08d}")
+                real_tokens += float(np.sum(host["segment_ids"] > 0)) * jax.process_count()
+                scale = jnp.float32(jnp.nan if self.step in nan_steps else 1.0)
+                self.state, m = self.train_step(self.state, self.models.teacher_params,
+                                                self.data.to_device(host), scale)
+                m = jax.device_get(m)
+                loss, ok = self._record(m)
+                self.step += 1
+                tokens_seen += float(m["num_tokens"])
+                vals = self._step_values(m, loss)
+                if self.step % tc.log_every == 0 or self.step == tc.total_steps:
+                    mlog.write("train", self.step, {**vals, "skipped": self.counts["nonfinite_skipped"]})
+                elapsed = time.perf_counter() - t0
+                bar.set_postfix(loss=f"{loss:.4g}", tok_s=f"{real_tokens / max(elapsed, 1e-9):.0f}",
+                                lr=f"{vals['lr']:.2e}", refresh=False)
+                bar.update(1)
+                if self.counts["nonfinite_in_row"] >= tc.max_nonfinite_in_row:
+                    self.ckpt.wait()
+                    last = self.ckpt.latest_step()
+                    where = f"{self.ckpt.directory}/{last}" if last is not None else "none saved yet"
+                    raise NonFiniteError(
+                        f"{self.counts['nonfinite_in_row']} non-finite steps in a row "
+                        f"(train.max_nonfinite_in_row={tc.max_nonfinite_in_row}) at step {self.step}; the "
+                        f"updates were skipped, the last good checkpoint is {where}. Lower "
+                        "train.learning_rate or check the data.")
+                metric = None
+                if self.step % tc.eval_every == 0 or self.step == tc.total_steps:
+                    last_eval = self.evaluate()
+                    if last_eval is not None:
+                        metric = last_eval["metric"]
+                        mlog.write("eval", self.step, last_eval)
+                        if self.stopper.update(self.step, metric):
+                            stop_reason = self.stopper.reason
+                if (self.step % tc.checkpoint_every == 0 or metric is not None or stop_reason
+                        or self.step == tc.total_steps):
+                    self.save(metric)
+                    if self.step in kill_after:
+                        self.ckpt.wait()
+                        os.kill(os.getpid(), signal.SIGKILL)
+                if stop_reason:
+                    log.warning("early stop: %s", stop_reason)
+                    break
+        finally:
+            bar.close()
+            self.ckpt.wait()
+            mlog.close()
+        elapsed = time.perf_counter() - t0
+        summary = {
+            "steps": self.step, "stop_reason": stop_reason or "total_steps reached",
+            "final_loss": loss, "last_eval": last_eval, "best_eval_metric": self.stopper.best,
+            # Among equal metrics Orbax may keep a later step than the stopper's first best: report the
+            # checkpoint that is actually kept.
+            "best_step": self.stopper.best_step, "best_checkpoint": (
+                str(self.ckpt.directory / str(self.ckpt.best_step()))
+                if self.ckpt.best_step() is not None else None),
+            "checkpoints": self.ckpt.steps(), "tokens_per_s": real_tokens / max(elapsed, 1e-9),
+            "loss_tokens": tokens_seen, "wall_s": elapsed, **self.counts,
+        }
+        self.ckpt.close()
+        if jax.process_index() == 0:
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary
+
+
+def train(cfg: Config, resume: bool = False) -> dict[str, Any]:
+    return Trainer(cfg).run(resume=resume)
+
+
+def precompute_teacher(cfg: Config, out_dir: str) -> dict[str, float]:
+    """Writes the teacher's top-k log-probs for the first `total_steps` training steps and the eval batches,
+    then measures, on those eval batches (or the first steps), how far the top-k + tail KL of the initial
+    student is from the full-teacher KL."""
+    from tqdm.auto import tqdm
+
+    from farskip_jax.train import teacher_cache as tcache
+    from farskip_jax.train.step import make_teacher_topk
+
+    tc = cfg.train
+    mesh, parallel = setup.mesh_and_parallel(cfg)
+    models = setup.build_models(cfg, mesh, need_teacher=True)
+    topk = make_teacher_topk(models.teacher_graph, tc.teacher_topk, tc.kl_temperature, tc.kl_chunk_tokens,
+                             parallel)
+    tcache.write_meta(out_dir, {"k": tc.teacher_topk, "temperature": tc.kl_temperature,
+                                "steps": tc.total_steps, "grad_accum_steps": tc.grad_accum_steps,
+                                "config": cfg.name})
+    data = setup.BatchStream(cfg, mesh, tc.grad_accum_steps)
+    flat = NamedSharding(mesh, P(setup.BATCH_AXES))
+
+    def run(host: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        batch = {k: jax.make_array_from_process_local_data(flat, v) for k, v in host.items()}
+        logp, ids = topk(models.teacher_params, batch)
+        return np.asarray(jax.device_get(logp)), np.asarray(jax.device_get(ids))
+
+    for step in tqdm(range(tc.total_steps), desc="teacher top-k", disable=jax.process_index() != 0):
+        host = data.next_host()
+        outs = [run({k: v[a] for k, v in host.items()}) for a in range(tc.grad_accum_steps)]
+        tcache.write_entry(out_dir, f"train_{step:08d}", np.stack([o[0] for o in outs]),
+                           np.stack([o[1] for o in outs]), host["input_ids"])
+    evals = setup.eval_batches(cfg, mesh) or []
+    for i, host in enumerate(evals):
+        logp, ids = run(host)
+        tcache.write_entry(out_dir, f"eval_{i:04d}", logp, ids, host["input_ids"])
+    return measure_topk_gap(cfg, models, out_dir, evals, parallel, mesh)
+
+
+def measure_topk_gap(cfg: Config, models: setup.Models, cache_dir: str, evals: list, parallel: Any,
+                     mesh: Any) -> dict[str, float]:
+    """Full-teacher KL vs cached top-k + tail KL of the *initial* student on the eval batches."""
+    tc = cfg.train
+    full = make_eval_step(LossSpec.from_train(tc, cached_teacher=False), models.student_graph,
+                          models.teacher_graph, parallel)
+    cached = make_eval_step(LossSpec.from_train(tc, cached_teacher=True), models.student_graph, None,
+                            parallel)
+    cache = TeacherCache(cache_dir, tc.teacher_topk, tc.kl_temperature)
+    flat = NamedSharding(mesh, P(setup.BATCH_AXES))
+    kl_full = kl_topk = ntok = 0.0
+    for i, host in enumerate(evals):
+        dev = lambda h: {k: jax.make_array_from_process_local_data(flat, v) for k, v in h.items()}
+        a = jax.device_get(full(models.student_params, models.teacher_params, dev(host)))
+        b = jax.device_get(cached(models.student_params, None,
+                                  dev({**host, **cache.load(f"eval_{i:04d}", host["input_ids"])})))
+        kl_full += float(a["kl_sum"])
+        kl_topk += float(b["kl_sum"])
+        ntok += float(a["num_tokens"])
+    n = max(ntok, 1.0)
+    return {"kl_full": kl_full / n, "kl_topk_tail": kl_topk / n, "abs_diff": abs(kl_full - kl_topk) / n,
+            "rel_diff": abs(kl_full - kl_topk) / max(kl_full, 1e-12), "tokens": ntok, "k": tc.teacher_topk}

@@ -1,0 +1,161 @@
+"""Trainer behaviour on the tiny config: frozen teacher, KL decrease, exact resume after SIGKILL,
+truncated checkpoints, non-finite guard, early stopping, EP=8 equivalence, teacher cache."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from farskip_jax.config import load_config
+from farskip_jax.train import trainer as trainer_mod
+from farskip_jax.train.early_stop import EarlyStopper
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 24
+# Every run below has the same shapes, so after the first compile the persistent cache serves them.
+BASE = {"train.learning_rate": 3e-5, "train.warmup_steps": 4, "train.total_steps": STEPS,
+        "train.checkpoint_every": 8, "train.eval_every": 12, "train.keep_checkpoints": 2}
+
+
+@pytest.fixture(scope="module")
+def cfg_for(tiny_data, overrides):
+    """cfg_for(out, **extra) -> the tiny FarSkip FCSD config writing to `out`."""
+    return lambda out, **extra: load_config("tiny_farskip", overrides(tiny_data, out, **{**BASE, **extra}))
+
+
+def _train_losses(out: Path) -> dict[int, float]:
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+
+
+@pytest.fixture(scope="module")
+def reference(cfg_for, tmp_path_factory):
+    """One uninterrupted run, with the teacher and initial student kept for comparison."""
+    out = tmp_path_factory.mktemp("ref")
+    tr = trainer_mod.Trainer(cfg_for(out))
+    teacher0 = jax.tree.map(np.array, tr.models.teacher_params)
+    student0 = jax.tree.map(np.array, tr.state["params"])
+    summary = tr.run()
+    return {"out": out, "trainer": tr, "teacher0": teacher0, "student0": student0, "summary": summary}
+
+
+def test_teacher_frozen_student_trained(reference):
+    tr = reference["trainer"]
+    same = jax.tree.map(lambda a, b: bool(np.array_equal(a, np.asarray(b))), reference["teacher0"],
+                        tr.models.teacher_params)
+    assert all(jax.tree.leaves(same)), "teacher parameters changed"
+    changed = jax.tree.map(lambda a, b: not np.array_equal(a, np.asarray(b)), reference["student0"],
+                           tr.state["params"])
+    assert sum(jax.tree.leaves(changed)) > len(jax.tree.leaves(changed)) // 2
+    # Optimizer state covers the student only: two Adam moments per student parameter.
+    n_student = len(jax.tree.leaves(tr.state["params"]))
+    n_moments = sum(x.ndim > 0 for x in jax.tree.leaves(tr.state["opt_state"]))
+    assert n_moments == 2 * n_student
+
+
+def test_fcsd_lowers_kl(reference):
+    losses = _train_losses(reference["out"])
+    first, last = losses[1], np.mean([losses[s] for s in range(STEPS - 3, STEPS + 1)])
+    print(f"KL: step 1 {first:.4g}, mean of last 4 steps {last:.4g}, factor {first / last:.2f}")
+    assert last < first / 2, (first, last)
+    s = reference["summary"]
+    assert s["best_checkpoint"] is not None and s["steps"] == STEPS
+
+
+def test_exact_resume_after_sigkill(reference, cfg_for, tiny_data, overrides, tmp_path):
+    out = tmp_path / "killed"
+    over = overrides(tiny_data, out, **BASE)
+    args = [sys.executable, str(REPO / "train.py"), "--config", "tiny_farskip"]
+    for k, v in over.items():
+        args += ["--set", f"{k}={json.dumps(v)}"]
+    env = {**os.environ, "FARSKIP_TEST_KILL_AFTER_CHECKPOINT": "16",
+           "JAX_COMPILATION_CACHE_DIR": str(REPO / ".jax_cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
+    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    assert max(_train_losses(out)) == 16
+    summary = trainer_mod.train(cfg_for(out), resume=True)
+    assert summary["steps"] == STEPS
+    ref, got = _train_losses(reference["out"]), _train_losses(out)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert got == ref  # bitwise: same floats, same data order
+
+
+def test_truncated_checkpoint_skipped(reference, cfg_for, tmp_path, caplog):
+    out = tmp_path / "trunc"
+    shutil.copytree(reference["out"], out)
+    ckpts = out / "checkpoints"
+    steps = sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
+    newest = ckpts / str(steps[-1])
+    # A write cut short: every params file truncated to half its size.
+    for f in (newest / "params").rglob("*"):
+        if f.is_file() and f.stat().st_size > 16:
+            with open(f, "r+b") as fh:
+                fh.truncate(f.stat().st_size // 2)
+    tr = trainer_mod.Trainer(cfg_for(out))
+    with caplog.at_level(logging.WARNING):
+        assert tr.resume()
+    assert tr.step == steps[-2]
+    assert any("unreadable" in r.message and str(steps[-1]) in r.message for r in caplog.records)
+
+
+def test_nonfinite_guard(cfg_for, tmp_path, monkeypatch):
+    monkeypatch.setenv("FARSKIP_TEST_NAN_STEPS", "2")
+    cfg = cfg_for(tmp_path / "nan1", **{"train.total_steps": 5, "train.eval_every": 100})
+    s = trainer_mod.train(cfg)
+    assert s["nonfinite_skipped"] == 1 and s["steps"] == 5 and np.isfinite(s["final_loss"])
+    monkeypatch.setenv("FARSKIP_TEST_NAN_STEPS", "1,2,3")
+    cfg = cfg_for(tmp_path / "nan2", **{"train.total_steps": 6, "train.eval_every": 100,
+                                                "train.max_nonfinite_in_row": 3})
+    with pytest.raises(trainer_mod.NonFiniteError, match="3 non-finite steps in a row"):
+        trainer_mod.train(cfg)
+
+
+def test_early_stopping_plateau_and_drop():
+    es = EarlyStopper(patience=3, drop_threshold=0.02)
+    assert not any(es.update(s, v) for s, v in [(1, 0.5), (2, 0.6), (3, 0.6), (4, 0.595)])
+    assert es.update(5, 0.599) and "patience" in es.reason and es.best_step == 2
+    es = EarlyStopper(patience=20, drop_threshold=0.02)
+    assert not es.update(1, 0.5)
+    assert es.update(2, 0.48) and "dropped" in es.reason
+
+
+def test_early_stopping_in_loop(cfg_for, tmp_path, monkeypatch):
+    # A metric that never improves after the first evaluation: the run stops after `patience` more.
+    monkeypatch.setattr(trainer_mod.Trainer, "evaluate", lambda self: {"metric": 1.0, "loss": 0.0})
+    cfg = cfg_for(tmp_path / "es", **{"train.eval_every": 2, "train.patience": 2})
+    s = trainer_mod.train(cfg)
+    assert s["steps"] == 6 and "patience" in s["stop_reason"] and s["best_step"] == 2
+    assert Path(s["best_checkpoint"]).is_dir()
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices")
+def test_expert_parallel_matches_single_device(cfg_for, tmp_path, reference):
+    cfg = cfg_for(tmp_path / "ep8", **{"mesh.expert": 8, "train.total_steps": 3, "train.eval_every": 100})
+    trainer_mod.train(cfg)
+    ep, ref = _train_losses(tmp_path / "ep8"), _train_losses(reference["out"])
+    for s in (1, 2, 3):
+        assert abs(ep[s] - ref[s]) <= 1e-5 * max(1.0, abs(ref[s])), (s, ep[s], ref[s])
+
+
+def test_teacher_cache(cfg_for, tmp_path):
+    cfg = cfg_for(tmp_path / "cached", **{"train.total_steps": 3, "train.eval_every": 100,
+                                                  "train.teacher_topk": 16})
+    gap = trainer_mod.precompute_teacher(cfg, str(tmp_path / "cache"))
+    print(f"teacher cache: full KL {gap['kl_full']:.4g}, top-16+tail KL {gap['kl_topk_tail']:.4g}, "
+          f"rel diff {gap['rel_diff']:.3%}")
+    assert gap["kl_topk_tail"] <= gap["kl_full"] * (1 + 1e-4) + 1e-9
+    cfg = cfg_for(tmp_path / "cached", **{"train.total_steps": 3, "train.eval_every": 100,
+                                                  "train.teacher_topk": 16,
+                                                  "train.teacher_cache": str(tmp_path / "cache")})
+    s = trainer_mod.train(cfg)
+    assert s["steps"] == 3 and np.isfinite(s["final_loss"])
