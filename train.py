@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the teacher's top-k (train.teacher_topk) log-probs for train.total_steps "
                         "steps and the eval batches to DIR, print the top-k vs full-teacher KL gap, and "
                         "exit; train with --set train.teacher_cache=DIR afterwards")
+    p.add_argument("--xla-flags", choices=("auto", "h200", "mi300x", "none"), default="auto",
+                   help="append farskip_jax.xla_flags' defaults for this GPU family to XLA_FLAGS before "
+                        "the first compile (auto: from /dev/kfd or /dev/nvidia*); flags already in "
+                        "XLA_FLAGS win")
     p.add_argument("--log-level", default="WARNING", help="Python logging level (default WARNING)")
     return p
 
@@ -81,6 +85,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if args.xla_flags != "none":
+        from farskip_jax.xla_flags import apply_default_xla_flags, detect_local_target
+
+        target = detect_local_target() if args.xla_flags == "auto" else args.xla_flags
+        added = apply_default_xla_flags(target)
+        logging.info("XLA flags added for %s: %s", target, " ".join(added) or "none")
+    if cfg.demo:  # a config with a `demo:` section (configs/tiny_demo.yaml) runs the embedded demo
+        from farskip_jax.demo import run_demo
+
+        run_demo(cfg, cfg_path=args.config)
+        return 0
     from farskip_jax.train import trainer
 
     if args.precompute_teacher:

@@ -89,6 +89,19 @@ def apply_default_xla_flags(target: str, environ: dict[str, str] | None = None) 
     return added
 
 
+def detect_local_target() -> str:
+    """The flag set for this machine's accelerators, read from device nodes (no JAX state touched).
+
+    'mi300x' where the ROCm kernel driver (/dev/kfd) is present, 'h200' (the NVIDIA set) where an
+    NVIDIA device node is, 'local' (no flags) on CPU-only hosts.
+    """
+    if os.path.exists("/dev/kfd"):
+        return "mi300x"
+    if os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0"):
+        return "h200"
+    return "local"
+
+
 def _typed(value: str) -> bool | int | str:
     if value in ("true", "false"):
         return value == "true"
