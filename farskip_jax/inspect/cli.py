@@ -14,6 +14,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+# Inference TP: XLA's all-reduce combiner would merge FarSkip's independent psums (layer k's routed
+# psum with layer k+1's attention+shared psum) into one that waits for both (FARSKIP.md 5: at decode
+# sizes it did). Serving stacks issue each psum on its own; so does the prefill inspection.
+PSUM_COMBINE_OPTION = ("xla_gpu_all_reduce_combine_threshold_bytes", 0)
+
 BuildStep = Callable[[Any, str], tuple[Any, Sequence[Any]]]
 
 
@@ -144,6 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.mesh = mesh
     from farskip_jax.inspect import steps
 
+    if args.mode == "prefill" and not any(k == PSUM_COMBINE_OPTION[0] for k, _ in args.compiler_option):
+        args.compiler_option.append(PSUM_COMBINE_OPTION)
     if args.mode == "train":
         build = steps.build_train_step(cfg, args.seqs_per_device, args.seq_len)
     else:

@@ -84,7 +84,10 @@ def build_models(cfg: Config, mesh: Mesh, need_teacher: bool) -> Models:
         tcfg = dataclasses.replace(with_farskip(cfg.model, enabled=False),
                                    param_dtype=cfg.train.teacher_dtype)
         t_graph = _graph(tcfg)
-        t_params = place(cast(tcfg.param_dtype), mesh, "ep")
+        # A copy, not a view: with teacher_dtype == param_dtype the cast is a no-op, and the train step
+        # donates the student's buffers, which would then also delete the teacher's.
+        t_params = place(jax.tree.map(lambda x: jnp.array(x, DTYPES[tcfg.param_dtype], copy=True), init),
+                         mesh, "ep")
     return Models(s_graph, s_params, t_graph, t_params)
 
 
