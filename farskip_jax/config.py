@@ -115,6 +115,10 @@ class ModelConfig:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     dtype: Literal["float32", "bfloat16"] = "float32"
     remat: Literal["none", "full", "save_dots"] = "none"
+    # Unrolled layers (default) leave XLA free to overlap layer k's Combine with layer k+1's
+    # attention; "scan" runs equal consecutive layers in one lax.scan (a measurement option: it
+    # stacks their weights every step, see model/transformer.py:_scan_layers).
+    layer_loop: Literal["unrolled", "scan"] = "unrolled"
     farskip: FarSkipConfig = dataclasses.field(default_factory=FarSkipConfig)
 
     @property
@@ -279,8 +283,6 @@ class MeshConfig:
     data: int = 1
     expert: int = 1
     tensor: int = 1
-    # Unrolled layers leave XLA free to overlap layer k's Combine with layer k+1's attention.
-    layer_loop: Literal["unrolled", "scan"] = "unrolled"
 
     def validate(self) -> None:
         for name in ("data", "expert", "tensor"):

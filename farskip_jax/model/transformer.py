@@ -78,7 +78,12 @@ class Transformer(nnx.Module):
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, *, parallel: Parallelism | None = None,
-                 compute_logits: bool = True) -> ModelOutput:
+                 compute_logits: bool = True, layer_loop: str | None = None) -> ModelOutput:
+        """`layer_loop` (default `cfg.layer_loop`) "scan": equal consecutive layers run under one
+        `lax.scan` (`_scan_layers`)."""
+        layer_loop = layer_loop or self.cfg.layer_loop
+        if layer_loop not in ("unrolled", "scan"):
+            raise ValueError(f"layer_loop={layer_loop!r}: expected 'unrolled' or 'scan'")
         cfg = self.cfg
         dt = DTYPES[cfg.dtype]
         b, t = input_ids.shape
@@ -93,13 +98,22 @@ class Transformer(nnx.Module):
         y = None
         aux_sum: dict[str, Any] = {}
         outputs = []
-        for i, (layer, conn) in enumerate(zip(self.layers, self.connectivity(), strict=True)):
-            with jax.named_scope(f"layer_{i}"):
-                x, y, aux = _maybe_remat(layer, cfg.remat)(x, y, positions, segment_ids, conn, routed_fn,
-                                                           reduce)
+        conns = self.connectivity()
+        groups = _layer_groups(cfg, conns) if layer_loop == "scan" else [[i] for i in range(cfg.num_layers)]
+        for group in groups:
+            if len(group) == 1:
+                i = group[0]
+                with jax.named_scope(f"layer_{i}"):
+                    x, y, aux = _maybe_remat(self.layers[i], cfg.remat)(x, y, positions, segment_ids,
+                                                                        conns[i], routed_fn, reduce)
+                xs: list[jax.Array] = [x]
+            else:
+                with jax.named_scope(f"layers_{group[0]}_{group[-1]}"):
+                    x, y, xs, aux = _scan_layers([self.layers[i] for i in group], conns[group[0]], cfg.remat,
+                                                 x, y, positions, segment_ids, routed_fn, reduce)
             for k, v in aux.items():
                 aux_sum[k] = aux_sum.get(k, 0.0) + v
-            outputs.append(x)
+            outputs.extend(xs)
         n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
         if "dropped_fraction" in aux_sum:
             aux_sum["dropped_fraction"] = aux_sum["dropped_fraction"] / max(n_moe, 1)
@@ -137,6 +151,47 @@ class _RematCall:
             return layer(x, y, positions, segment_ids, conn, routed_fn, reduce)
 
         return nnx.remat(run, **self.kwargs)(self.layer, x, y, positions, segment_ids)
+
+
+def _layer_groups(cfg: ModelConfig, conns: list[Connectivity]) -> list[list[int]]:
+    """Maximal runs of consecutive layers with the same kind (MoE/dense) and connectivity."""
+    groups: list[list[int]] = []
+    for i in range(cfg.num_layers):
+        key = (cfg.is_moe_layer(i), conns[i])
+        if groups and (cfg.is_moe_layer(groups[-1][-1]), conns[groups[-1][-1]]) == key:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _scan_layers(layers: list[DecoderLayer], conn: Connectivity, remat: str, x: jax.Array,
+                 y: jax.Array | None, positions: jax.Array, segment_ids: jax.Array, routed_fn: RoutedFn,
+                 reduce: ReduceFn | None
+                 ) -> tuple[jax.Array, jax.Array | None, list[jax.Array], dict[str, jax.Array]]:
+    """Runs equal layers as one `lax.scan` over their stacked parameters, carrying (x, y).
+
+    A measurement option (`layer_loop="scan"`), not the production path: the per-layer leaves
+    are stacked with `jnp.stack` inside the traced function, which costs one copy of these
+    layers' weights per step. It exists to measure compile time and how XLA overlaps
+    collectives across a layer boundary when every layer is the same loop body: the carry holds
+    both streams, so a layer's pending routed output (Combine) and the next layer's attention,
+    which FarSkip lets hide it, live in one body. A missing y (first FarSkip layer: a parallel
+    block) enters as y := x, which `residual_step` computes identically; after the loop y is
+    None again unless the layers produce two streams.
+    """
+    graphdef, first = nnx.split(layers[0])
+    stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), first, *[nnx.split(m)[1] for m in layers[1:]])
+    two_streams = layers[0].is_moe and conn.attn_stale
+
+    def body(carry, state):
+        x, y = carry
+        layer = nnx.merge(graphdef, state)
+        x_new, y_new, aux = _maybe_remat(layer, remat)(x, y, positions, segment_ids, conn, routed_fn, reduce)
+        return (x_new, x_new if y_new is None else y_new), (x_new, aux)
+
+    (x, y), (xs, aux) = jax.lax.scan(body, (x, x if y is None else y), stacked)
+    return x, (y if two_streams else None), list(xs), {k: jnp.sum(v, axis=0) for k, v in aux.items()}
 
 
 def build_model(cfg: ModelConfig, seed: int = 0) -> Transformer:

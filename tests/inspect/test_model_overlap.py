@@ -9,18 +9,13 @@ import pytest
 
 from farskip_jax.config import load_config, parse_overrides
 from farskip_jax.inspect import steps
-from farskip_jax.inspect.cli import run_inspect
+from farskip_jax.inspect.cli import PSUM_COMBINE_OPTION, run_inspect
 
-# DSV2-Lite's structure (MLA, 1 dense + MoE layers, shared experts, top-k routing) at a width that
-# compiles in tens of seconds on 2 cores while compute still outweighs communication per layer.
-REDUCED = [
-    "model.num_layers=4", "model.hidden_size=1024", "model.num_heads=8", "model.kv_lora_rank=256",
-    "model.qk_nope_head_dim=64", "model.qk_rope_head_dim=32", "model.v_head_dim=64",
-    "model.n_routed_experts=16", "model.n_shared_experts=1", "model.num_experts_per_tok=2",
-    "model.moe_intermediate_size=512", "model.intermediate_size=2048", "model.vocab_size=8192",
-    "model.remat=none",
-]
-SEQ = 2048
+# DeepSeek-V2-Lite's widths (MLA, 64 experts top-6, shared experts, 1 dense layer first) with 3 layers,
+# a small vocabulary and no remat, so that two compiles take a minute or two on 2 cores while every
+# MoE layer keeps DSV2-Lite's compute/communication proportions.
+REDUCED = ["model.num_layers=3", "model.vocab_size=8192", "model.remat=none"]
+SEQ = 4096
 
 
 def _inspect(tmp_path_factory, mode: str) -> dict:
@@ -31,9 +26,10 @@ def _inspect(tmp_path_factory, mode: str) -> dict:
     else:
         build = steps.build_prefill_step(cfg, batch=1, seq_len=SEQ)
         mesh = {"data": 1, "expert": 1, "tensor": 8}
+    options = [PSUM_COMBINE_OPTION] if mode == "prefill" else []
     args = argparse.Namespace(target="h200", mesh=mesh, modes="farskip,regular",
                               out=tmp_path_factory.mktemp(f"overlap_{mode}"), lhs_dump=False,
-                              compiler_option=[], no_default_options=False, save_hlo=False)
+                              compiler_option=options, no_default_options=False, save_hlo=False)
     return run_inspect(args, build)
 
 
@@ -53,7 +49,7 @@ def _kind(report: dict, kind: str) -> list[dict]:
 
 def test_farskip_all_to_alls_are_async_with_compute_between(train_reports):
     a2a = _kind(train_reports["farskip"], "all-to-all")
-    assert len(a2a) == 3 * 2 * 3, "3 MoE layers x (Dispatch, Combine) x (forward + 2 in backward)"
+    assert len(a2a) == 2 * 2 * 2, "2 MoE layers x (Dispatch, Combine) x (forward, backward)"
     fwd_dispatch = [c for c in a2a if c["direction"] == "fwd" and c["role"] == "dispatch"]
     bwd = [c for c in a2a if c["direction"] == "bwd"]
     # The physical limit: the first forward Dispatch and the last backward collective have nothing
@@ -74,9 +70,25 @@ def test_farskip_hides_more_all_to_all_time_than_regular(train_reports):
     assert far > reg
 
 
-def test_farskip_hides_more_psum_time_in_prefill(prefill_reports):
-    far = prefill_reports["farskip"]["totals"]["by_kind"]["all-reduce"]
-    reg = prefill_reports["regular"]["totals"]["by_kind"]["all-reduce"]
-    print(f"OVERLAP prefill psum hidden: farskip {far['hidden_frac']:.3f} regular {reg['hidden_frac']:.3f}")
-    assert far["hidden_frac"] > 0.90
-    assert far["hidden_frac"] > reg["hidden_frac"]
+def test_prefill_psums_hide_up_to_their_dependency_bound(prefill_reports):
+    """FarSkip's TP psums are async and XLA fills each one's window with all the compute it may use.
+
+    Layer k's routed psum can only overlap layer k+1's attention (the MoE of k+1 reads x = y + R_k),
+    and the attention+shared psum only the router and routed experts. At DSV2-Lite's widths with
+    2 heads per rank, attention is shorter than a 16 MiB psum, so 90% is not reachable at 4096
+    tokens whatever the placement (BENCHMARKS.md); the check is that the placement reaches the bound
+    and that FarSkip hides far more than regular connectivity, which hides almost nothing.
+    """
+    far, reg = prefill_reports["farskip"], prefill_reports["regular"]
+    f_tot = far["totals"]["by_kind"]["all-reduce"]["hidden_frac"]
+    r_tot = reg["totals"]["by_kind"]["all-reduce"]["hidden_frac"]
+    print(f"OVERLAP prefill psum hidden: farskip {f_tot:.3f} regular {r_tot:.3f}")
+    psums = [c for c in _kind(far, "all-reduce") if c["role"] in ("tp_psum_attn_shared", "tp_psum_routed")]
+    last = max(psums, key=lambda c: c["start_index"])
+    for c in psums:
+        if c is not last:
+            assert c["is_async"] and c["compute_between_us"] > 0, c["name"]
+    attn_shared = [c for c in psums if c["role"] == "tp_psum_attn_shared"]
+    assert all(c["hidden_frac"] > 0.99 for c in attn_shared), "router + experts cover the A+S psum"
+    assert f_tot > 0.6
+    assert f_tot > r_tot + 0.5
