@@ -15,7 +15,7 @@ print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version
 timeout 200 python3 bench/gpu_step.py --config dsv2lite_farskip --set model.num_layers=4 --batch 2 \
   --seq-len 4096 --steps 5 --out "$OUT/gpu_step.json" 2>&1 | grep -v "^WARNING" | tee "$OUT/gpu_step.txt"
 # 2. HF parity with our model running on the GPU (HF reference on torch CPU, fp32).
-JAX_PLATFORMS=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider tests/model/test_hf_parity.py \
+JAX_PLATFORMS=cuda JAX_DEFAULT_MATMUL_PRECISION=highest timeout 120 python3 -m pytest -q -p no:cacheprovider tests/model/test_hf_parity.py \
   tests/model/test_farskip_reference.py -rA 2>&1 | grep -E "PARITY|passed|failed|error" | tee "$OUT/parity_gpu.txt"
 # 3. The default suite on this machine's jax (CPU platform, 8 host devices), in parallel workers.
 JAX_PLATFORMS=cpu timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 -x 2>&1 | tail -25 \
