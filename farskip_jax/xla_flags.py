@@ -37,10 +37,10 @@ _MI300X = (
     # and tests/inspect/test_rocm.py); AMD's MaxText defaults set it too (ECOSYSTEM.md 1.2).
     Flag("xla_gpu_enable_latency_hiding_scheduler", "true",
          "MI300X all-to-all is sync without it (measured); AMD MaxText default", True),
-    # Analytical estimator: ROCm RCCL tables exist (openxla/xla#25908); with LHS it gave HLO
-    # identical to LHS alone on the toy (ROCM_DEVICELESS.md), kept because AMD's tuning targets it.
-    Flag("xla_gpu_enable_analytical_latency_estimator", "true",
-         "ROCm RCCL cost tables (openxla/xla#25908); no change vs LHS alone on the toy", True),
+    # Not the analytical latency estimator: XLA logs "Runtime estimate for all-to-all-start not
+    # implemented" and treats the all-to-all as free, so it schedules less under it. Measured on the
+    # DSV2-Lite EP=8 train step (deviceless MI300X): FarSkip all-to-all hidden 44.0% with it, 60.8%
+    # with LHS alone (BENCHMARKS.md). Pass it with --compiler-option to compare.
     # Command buffers (HIP graphs): recurring ROCm crash source; AMD's documented workaround
     # (ROCm 7.13 JAX install docs, openxla/xla#46952). Runtime-only, no effect on the schedule.
     Flag("xla_gpu_enable_command_buffer", "",
