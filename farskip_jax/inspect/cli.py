@@ -9,7 +9,10 @@ plus a comparison when two modes are given (first = FarSkip, second = regular by
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -81,10 +84,11 @@ def run_inspect(args: argparse.Namespace, build_step: BuildStep) -> dict[str, An
     reports: dict[str, Any] = {}
     for mode in modes:
         fn, specs = build_step(mesh, mode)
-        art = aot.compile_scheduled_hlo(fn, *specs, target=args.target,
-                                        compiler_options=dict(args.compiler_option),
-                                        default_options=not args.no_default_options,
-                                        dump_lhs_schedule=args.lhs_dump)
+        with _ticker(f"[{mode}] compiling for {args.target}"):
+            art = aot.compile_scheduled_hlo(fn, *specs, target=args.target,
+                                            compiler_options=dict(args.compiler_option),
+                                            default_options=not args.no_default_options,
+                                            dump_lhs_schedule=args.lhs_dump)
         analysis = hlo.analyze(art.hlo_text, args.target, art.lhs_schedule_text)
         meta = {"mode": mode, "mesh": args.mesh, **art.summary()}
         paths = report.write_reports(analysis, out, name=f"report_{mode}", meta=meta)
@@ -100,6 +104,25 @@ def run_inspect(args: argparse.Namespace, build_step: BuildStep) -> dict[str, An
         (out / "compare.md").write_text(report.compare_markdown(cmp))
         reports["_compare"] = cmp
     return reports
+
+
+@contextlib.contextmanager
+def _ticker(label: str, every_s: float = 15.0):
+    """Prints `label ... Ns` every `every_s` seconds while a long compile runs (minutes on 2 cores)."""
+    done = threading.Event()
+    t0 = time.perf_counter()
+
+    def tick() -> None:
+        while not done.wait(every_s):
+            print(f"{label} ... {time.perf_counter() - t0:.0f}s", flush=True)
+
+    thread = threading.Thread(target=tick, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _fmt(x: float | None) -> str:
@@ -133,8 +156,6 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m farskip_jax inspect --config dsv2lite_farskip --target h200 --mode train ...`."""
-    import time
-
     args = _build_parser().parse_args(argv)
     from farskip_jax.config import load_config, parse_overrides
 
