@@ -41,6 +41,13 @@ _MI300X = (
     # implemented" and treats the all-to-all as free, so it schedules less under it. Measured on the
     # DSV2-Lite EP=8 train step (deviceless MI300X): FarSkip all-to-all hidden 44.0% with it, 60.8%
     # with LHS alone (BENCHMARKS.md). Pass it with --compiler-option to compare.
+    # Triton GEMM off: the deviceless gfx942 compile of the TP prefill picks a Triton tiling that
+    # needs 80 KiB of LDS ("Shared memory size limit exceeded: requested 81920, available: 65536")
+    # and fails; AMD's MaxText defaults turn Triton GEMMs off too (ECOSYSTEM.md 1.2), so matmuls go
+    # to hipBLASLt/rocBLAS.
+    Flag("xla_gpu_enable_triton_gemm", "false",
+         "gfx942 Triton GEMM tiling exceeds LDS in deviceless compiles (measured); AMD MaxText default",
+         True),
     # Command buffers (HIP graphs): recurring ROCm crash source; AMD's documented workaround
     # (ROCm 7.13 JAX install docs, openxla/xla#46952). Runtime-only, no effect on the schedule.
     Flag("xla_gpu_enable_command_buffer", "",

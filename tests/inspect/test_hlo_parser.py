@@ -122,6 +122,7 @@ def test_xla_flags_user_wins() -> None:
     assert env["XLA_FLAGS"].startswith("--xla_gpu_enable_latency_hiding_scheduler=false --foo=1 ")
     assert xla_flags.apply_default_xla_flags("mi300x", env) == []  # idempotent
     assert xla_flags.flags_for("local") == []
-    assert xla_flags.compiler_options_for("mi300x") == {"xla_gpu_enable_latency_hiding_scheduler": True}
+    assert xla_flags.compiler_options_for("mi300x") == {"xla_gpu_enable_latency_hiding_scheduler": True,
+                                                        "xla_gpu_enable_triton_gemm": False}
     with pytest.raises(ValueError):
         xla_flags.flags_for("tpu")
