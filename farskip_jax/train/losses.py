@@ -144,7 +144,8 @@ def chunked_forward_kl(
     """``forward_kl`` from hidden states ``[..., d]`` and LM heads ``[d, vocab]``, chunked along the sequence.
 
     Equal to ``forward_kl(teacher_hidden @ teacher_head, student_hidden @ student_head, ...)`` up to fp32
-    summation order; peak memory is O(chunk_size * vocab) instead of O(tokens * vocab).
+    summation order; peak memory is O(rows * chunk_size * vocab) logits (``chunk_size`` positions of every
+    sequence) instead of O(tokens * vocab).
     """
     teacher_hidden = jax.lax.stop_gradient(teacher_hidden)
     teacher_head = jax.lax.stop_gradient(teacher_head)
