@@ -109,12 +109,27 @@ class ModelConfig:
     seq_aux: bool = True
     device_aux_loss_alpha: float = 0.0
     aux_device_groups: int = 1
-    # Routed-expert token capacity per expert = ceil(capacity_factor * tokens * top_k / experts);
-    # <= 0 means dropless (capacity covers the worst case: every token to one expert).
+    # <= 0: dropless (the default; the FCSD teacher and inference are always dropless). > 0: an
+    # optional student capacity of ceil(capacity_factor * seq_len * top_k / experts) assignments per
+    # expert per sequence; the lowest-router-weight assignments are dropped first, so one device and
+    # any expert-parallel mesh drop the same ones.
     capacity_factor: float = 0.0
+    # Grouped expert GEMM over the expert-sorted tokens: jax.lax.ragged_dot, or a padded per-expert
+    # buffer with a batched einsum (model/dispatch.py; BENCHMARKS.md compares them).
+    expert_matmul: Literal["ragged", "padded"] = "ragged"
+    # Expert-parallel token exchange: ragged_all_to_all (GPU), per-destination buffers with a plain
+    # all_to_all (works everywhere, XLA:CPU included), or auto = ragged on GPU meshes, padded elsewhere.
+    ep_exchange: Literal["auto", "ragged", "padded"] = "auto"
+    # Attention core: blockwise (flash-style online softmax, O(T) memory), the [T, T] reference, or
+    # cuDNN fused attention; auto = cudnn where supported, blockwise elsewhere.
+    attention: Literal["auto", "blockwise", "reference", "cudnn"] = "auto"
+    attention_block_q: int = 512
+    attention_block_kv: int = 512
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     dtype: Literal["float32", "bfloat16"] = "float32"
-    remat: Literal["none", "full", "save_dots"] = "none"
+    # save_a2a: recompute each layer in the backward pass except the expert-parallel all-to-all
+    # outputs, so Dispatch and Combine are not run again.
+    remat: Literal["none", "full", "save_dots", "save_a2a"] = "none"
     # Unrolled layers (default) leave XLA free to overlap layer k's Combine with layer k+1's
     # attention; "scan" runs equal consecutive layers in one lax.scan (a measurement option: it
     # stacks their weights every step, see model/transformer.py:_scan_layers).
@@ -132,7 +147,8 @@ class ModelConfig:
         positive = ["vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
                     "num_layers", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                     "v_head_dim", "n_routed_experts", "num_experts_per_tok", "moe_layer_freq",
-                    "n_group", "topk_group", "aux_device_groups"]
+                    "n_group", "topk_group", "aux_device_groups", "attention_block_q",
+                    "attention_block_kv"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be > 0, got {getattr(self, name)}")
@@ -333,6 +349,9 @@ class TrainConfig:
     spike_factor: float = 3.0
     output_dir: str = "runs/default"
     init_checkpoint: str | None = None
+    # ZeRO-1: optimizer state of the replicated (non-expert) weights sharded over (data, expert);
+    # gradients reduce-scattered, updated parameters all-gathered.
+    zero1: bool = True
 
     def validate(self) -> None:
         for name in ("warmup_steps", "kl_chunk_tokens", "grad_accum_steps", "log_every",

@@ -1,0 +1,42 @@
+"""User errors and how every CLI reports them.
+
+A `UserError` (or `ConfigError`, a subclass of ValueError raised for bad config keys) is a problem
+with the user's input: a mesh that needs more devices than there are, a missing data path, a bad
+value. CLIs wrap their `main` with `cli_main`, which prints such errors as one line naming the
+problem and the fix, and exits with status 2, instead of a traceback. Anything else is a bug and
+keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+
+class UserError(Exception):
+    """Bad input from the user; the message names the problem and how to fix it."""
+
+
+F = TypeVar("F", bound=Callable[..., int | None])
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    from farskip_jax.config import ConfigError
+
+    return (UserError, ConfigError, FileNotFoundError)
+
+
+def cli_main(fn: Callable[[Sequence[str] | None], int | None]) -> Callable[[Sequence[str] | None], int]:
+    """Wraps a CLI `main(argv)`: user errors become `error: <message>` on stderr and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(argv: Sequence[str] | None = None) -> int:
+        try:
+            return int(fn(argv) or 0)
+        except user_error_types() as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+
+    return wrapper
