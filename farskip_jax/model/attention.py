@@ -11,16 +11,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from farskip_jax.config import ModelConfig
+from farskip_jax.config import ConfigError, ModelConfig
+from farskip_jax.model.flash import blockwise_attention
 from farskip_jax.model.layers import DTYPES, RMSNorm, apply_rope, normal_init, rope_tables, softmax_scale
 
 
-def attention_core(q_bthk: jax.Array, k_bshk: jax.Array, v_bshv: jax.Array, segment_ids_bt: jax.Array,
-                   scale: float) -> jax.Array:
+def reference_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshv: jax.Array, segment_ids_bt: jax.Array,
+                        scale: float) -> jax.Array:
     """Causal softmax attention that never crosses packed documents (equal segment ids only).
 
-    Written with einsums rather than a fused kernel: MLA's V head dim differs from its QK head
-    dim, and this form compiles the same on CPU, CUDA and ROCm. Softmax runs in fp32.
+    Materialises the [B, H, T, S] fp32 scores (1 GiB per sequence per layer at 4096 tokens, 16
+    heads): kept as the plain-einsum definition that `blockwise` is tested against.
     """
     t = q_bthk.shape[1]
     scores = jnp.einsum("bthk,bshk->bhts", q_bthk, k_bshk, preferred_element_type=jnp.float32) * scale
@@ -30,6 +31,29 @@ def attention_core(q_bthk: jax.Array, k_bshk: jax.Array, v_bshv: jax.Array, segm
     scores = jnp.where(mask[:, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_bshv.dtype)
     return jnp.einsum("bhts,bshv->bthv", probs, v_bshv)
+
+
+# Why `cudnn` cannot serve MLA (checked with jax 0.10.2, deviceless H200 compile): the public
+# jax.nn.dot_product_attention requires value's shape to equal key's ("value shape should be
+# [1, 1024, 16, 192]: but got (1, 1024, 16, 128)"), and it takes no segment ids, so packed
+# documents would need a dense [B, 1, T, S] mask, the O(T^2) array this module avoids. `auto`
+# therefore means blockwise on every backend.
+CUDNN_UNSUPPORTED = (
+    "model.attention=cudnn is not supported for MLA: jax.nn.dot_product_attention needs the value "
+    "head dim to equal the query/key head dim (got {k} vs {v}) and cannot take segment ids without "
+    "a dense [T, T] mask; use model.attention=blockwise (or auto)")
+
+
+def attention_core(q_bthk: jax.Array, k_bshk: jax.Array, v_bshv: jax.Array, segment_ids_bt: jax.Array,
+                   scale: float, impl: str = "auto", block_q: int = 512, block_kv: int = 512) -> jax.Array:
+    """Causal, document-masked attention [B, T, H, V] by `impl` (ModelConfig.attention)."""
+    if impl == "reference":
+        return reference_attention(q_bthk, k_bshk, v_bshv, segment_ids_bt, scale)
+    if impl == "cudnn":
+        raise ConfigError(CUDNN_UNSUPPORTED.format(k=q_bthk.shape[-1], v=v_bshv.shape[-1]))
+    if impl not in ("auto", "blockwise"):
+        raise ConfigError(f"model.attention must be auto, blockwise, reference or cudnn, got {impl!r}")
+    return blockwise_attention(q_bthk, k_bshk, v_bshv, segment_ids_bt, scale, block_q, block_kv)
 
 
 # DeepSeek's code (and HF's port) builds the two latent norms with eps 1e-6 whatever the config says.
@@ -73,6 +97,7 @@ class MLAttention(nnx.Module):
             k_rope = jnp.broadcast_to(k_rope[:, :, None], k_nope.shape[:3] + k_rope.shape[-1:])
             k = jnp.concatenate([k_nope, k_rope], axis=-1)
         with jax.named_scope("core"):
-            out = attention_core(q, k, v, segment_ids_bt, softmax_scale(cfg))
+            out = attention_core(q, k, v, segment_ids_bt, softmax_scale(cfg), cfg.attention,
+                                 cfg.attention_block_q, cfg.attention_block_kv)
         with jax.named_scope("o_proj"):
             return jnp.einsum("bthv,hvd->btd", out, self.o_proj[...].astype(dt))
