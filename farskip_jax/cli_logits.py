@@ -4,22 +4,30 @@ The stable interface other tools rely on:
 
     python -m farskip_jax logits --checkpoint DIR --input-ids IDS.npy --out LOGITS.npy \
         [--farskip on|off] [--farskip-range START:END] [--farskip-mode both|attn_only|mlp_only] \
-        [--dtype float32|bfloat16]
+        [--dtype float32|bfloat16] [--mesh expert=8 | data=2,expert=4 | tensor=8]
 
 IDS.npy holds integer token ids [batch, seq]; LOGITS.npy receives float32 [batch, seq, vocab].
 Every row is one sequence starting at position 0 (no padding mask: pad on the right and ignore
-the padded positions' logits).
+the padded positions' logits). `--mesh` runs the same forward sharded (expert or tensor
+parallel) and writes the same file; on a CPU-only host the CLI creates the host devices itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import math
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from farskip_jax.config import MeshConfig, ModelConfig
+from farskip_jax.errors import UserError, cli_main
+from farskip_jax.xla_flags import detect_local_target
 
 DESCRIPTION = """\
 Run an HF DeepSeek-V2 checkpoint (config.json + *.safetensors, sharded or not, or
@@ -42,13 +50,25 @@ absent keys mean regular connectivity. The flags below override them:
 
 Precision: --dtype float32 (default) or bfloat16 (parameters and activations in bf16; the
 logits are still written as float32).
+
+Sharded forward: --mesh AXIS=N[,AXIS=N...] with axes data, expert, tensor, e.g.
+  --mesh expert=8          expert parallelism: sequences split over 8 devices, routed experts too
+  --mesh data=2,expert=4   the same over a 2 x 4 grid (sequences over all 8, experts over 4)
+  --mesh tensor=8          tensor parallelism: every device sees the whole batch, attention heads,
+                           experts and MLP widths are split (they must be divisible by 8)
+tensor cannot be combined with expert or data. The output file is the same as without --mesh.
+A batch that data x expert does not divide is padded with token-0 rows, run, and stripped again.
+On a CPU-only host the CLI appends --xla_force_host_platform_device_count=N to XLA_FLAGS before
+JAX starts its backend, unless XLA_FLAGS or JAX_NUM_CPU_DEVICES already sets a device count.
 """
 
-EXIT_USAGE = 2
+EXIT_USAGE = 2  # the exit status of a user error (printed by errors.cli_main)
+MESH_AXES = ("data", "expert", "tensor")
+FORCE_COUNT = "xla_force_host_platform_device_count"
 
 
-class CliError(Exception):
-    """A user-facing error: printed as `error: ...` with exit status 2."""
+class CliError(UserError):
+    """A user-facing error: printed as `error: ...` with exit status 2 (by `cli_main`)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,7 +88,113 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which sub-block reads stale inputs (default: as in config.json, else both)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="parameter and compute dtype (default float32); output is always float32")
+    p.add_argument("--mesh", default=None, metavar="AXIS=N[,AXIS=N]",
+                   help="run sharded: expert=8, data=2,expert=4 (expert parallel) or tensor=8 (tensor "
+                        "parallel); default: one device")
     return p
+
+
+def parse_mesh(text: str) -> MeshConfig:
+    """'data=2,expert=4' -> MeshConfig(data=2, expert=4); axes not named are 1."""
+    usage = "expected AXIS=N[,AXIS=N] with axes data, expert, tensor, e.g. --mesh expert=8"
+    sizes: dict[str, int] = {}
+    for part in text.split(","):
+        axis, sep, value = (s.strip() for s in part.partition("="))
+        if not sep or not axis:
+            raise CliError(f"--mesh {text!r}: {usage}")
+        if axis not in MESH_AXES:
+            raise CliError(f"--mesh {text!r}: unknown axis {axis!r}; {usage}")
+        if axis in sizes:
+            raise CliError(f"--mesh {text!r}: axis {axis!r} given twice")
+        try:
+            sizes[axis] = int(value)
+        except ValueError:
+            raise CliError(f"--mesh {text!r}: size of {axis!r} must be an integer, e.g. {axis}=8") from None
+        if sizes[axis] < 1:
+            raise CliError(f"--mesh {text!r}: size of {axis!r} must be >= 1")
+    mesh = MeshConfig(**sizes)
+    if mesh.tensor > 1 and (mesh.expert > 1 or mesh.data > 1):
+        # The TP layout splits the experts over `tensor` itself, and its forward replicates the
+        # batch over every other axis, so a data axis would only repeat the same work.
+        raise CliError(f"--mesh {text!r}: tensor cannot be combined with expert or data; use "
+                       f"--mesh tensor={mesh.tensor} (tensor parallel) or --mesh expert=N / data=D,expert=E "
+                       "(expert parallel)")
+    return mesh
+
+
+def host_device_flags(needed: int, xla_flags: str, platforms: str | None, accelerator_present: bool,
+                      num_cpu_devices: int) -> str | None:
+    """The XLA_FLAGS value that gives the CPU backend `needed` devices, or None to leave it alone.
+
+    Only when JAX will run on the CPU (JAX_PLATFORMS names cpu first, or is unset on a host
+    without accelerator device nodes) and the user has not chosen a host device count: their own
+    XLA_FLAGS count or JAX_NUM_CPU_DEVICES wins, and a shortfall is reported after start-up.
+    """
+    if needed <= 1 or num_cpu_devices >= 0 or FORCE_COUNT in xla_flags:
+        return None
+    first = (platforms or "").split(",")[0].strip().lower()
+    on_cpu = first == "cpu" if first else not accelerator_present
+    if not on_cpu:
+        return None
+    return f"{xla_flags.strip()} --{FORCE_COUNT}={needed}".strip()
+
+
+def accelerator_present() -> bool:
+    """A GPU or TPU device node exists (read from /dev: no JAX backend is started by asking)."""
+    return (detect_local_target() != "local" or bool(glob.glob("/dev/accel*"))
+            or bool(glob.glob("/dev/vfio/[0-9]*")))
+
+
+def provide_host_devices(needed: int) -> None:
+    """Appends the host device count to XLA_FLAGS; must run before JAX starts its backend.
+
+    `python -m farskip_jax` has imported jax by now (the package imports it), but XLA reads
+    XLA_FLAGS when the first backend is created (the first jax.devices() or array), not at import.
+    """
+    import jax
+
+    flags = host_device_flags(needed, os.environ.get("XLA_FLAGS", ""),
+                              os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms,
+                              accelerator_present(), int(jax.config.jax_num_cpu_devices))
+    if flags is not None:
+        os.environ["XLA_FLAGS"] = flags
+
+
+def check_devices(mesh: MeshConfig, text: str) -> None:
+    """Enough devices for the mesh, else one line naming the fix (starts the JAX backend)."""
+    import jax
+
+    devices = jax.devices()
+    if len(devices) >= mesh.num_devices:
+        return
+    platform = devices[0].platform
+    n = mesh.num_devices
+    if platform == "cpu" and int(jax.config.jax_num_cpu_devices) >= 0:
+        fix = f"raise JAX_NUM_CPU_DEVICES (now {jax.config.jax_num_cpu_devices}) to {n} or unset it"
+    elif platform == "cpu" and FORCE_COUNT in os.environ.get("XLA_FLAGS", ""):
+        fix = f"raise --{FORCE_COUNT} in your XLA_FLAGS to {n} or remove it"
+    elif platform == "cpu":
+        fix = f"start the process with XLA_FLAGS=--{FORCE_COUNT}={n} (JAX had started before --mesh was read)"
+    else:
+        fix = f"choose a mesh of at most {len(devices)} devices"
+    raise CliError(f"--mesh {text}: needs {n} devices, {len(devices)} {platform} device(s) available; {fix}")
+
+
+def check_layout(cfg: ModelConfig, mesh: MeshConfig, text: str) -> None:
+    """The checkpoint's shapes split evenly over the mesh (checked before loading any weight)."""
+    if mesh.tensor > 1:
+        sizes = {"attention heads": cfg.num_heads, "routed experts": cfg.n_routed_experts,
+                 "shared-expert width": cfg.moe_intermediate_size * cfg.n_shared_experts}
+        if any(not cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
+            sizes["dense MLP width"] = cfg.intermediate_size
+        bad = [f"{name} {v}" for name, v in sizes.items() if v % mesh.tensor]
+        if bad:
+            fit = math.gcd(*sizes.values())
+            raise CliError(f"--mesh {text}: tensor={mesh.tensor} does not divide the checkpoint's "
+                           f"{', '.join(bad)}; choose a divisor of {fit}")
+    elif cfg.n_routed_experts % mesh.expert:
+        raise CliError(f"--mesh {text}: expert={mesh.expert} does not divide the checkpoint's "
+                       f"{cfg.n_routed_experts} routed experts; choose a divisor of {cfg.n_routed_experts}")
 
 
 def parse_range(text: str) -> tuple[int | None, int | None]:
@@ -134,33 +260,73 @@ def check_vocab(ids: np.ndarray, vocab_size: int, path: str | Path) -> np.ndarra
     return ids.astype(np.int32)
 
 
-def compute_logits(checkpoint: str | Path, ids: np.ndarray, overrides: dict[str, Any]) -> np.ndarray:
-    """Loads the checkpoint with `overrides` and returns float32 logits [B, T, V]."""
+def pad_rows(ids: np.ndarray, multiple: int) -> np.ndarray:
+    """Appends token-0 rows until the batch divides by `multiple` (the rows are independent:
+    attention stays inside a row and dropless routing gives each token every expert it picks)."""
+    pad = -ids.shape[0] % multiple
+    return np.concatenate([ids, np.zeros((pad, ids.shape[1]), ids.dtype)]) if pad else ids
+
+
+def compute_logits(checkpoint: str | Path, ids: np.ndarray, overrides: dict[str, Any],
+                   mesh: MeshConfig | None = None) -> np.ndarray:
+    """Loads the checkpoint with `overrides` and returns float32 logits [B, T, V].
+
+    With `mesh`: tensor > 1 runs `parallel.tp_forward` (TP layout, batch replicated); otherwise
+    `parallel.ep_forward` with the batch split over data x expert (padded, then stripped).
+    """
     import jax
     from flax import nnx
 
     from farskip_jax.checkpoint.hf_load import from_pretrained
 
-    model = from_pretrained(checkpoint, **overrides)
-    graphdef, state = nnx.split(model)
+    if mesh is None:
+        model = from_pretrained(checkpoint, **overrides)
+        graphdef, state = nnx.split(model)
 
-    @jax.jit
-    def forward(state, ids):
-        return nnx.merge(graphdef, state)(ids).logits
+        @jax.jit
+        def forward(state, ids):
+            return nnx.merge(graphdef, state)(ids).logits
 
-    return np.asarray(jax.device_get(forward(state, ids)), dtype=np.float32)
+        return np.asarray(jax.device_get(forward(state, ids)), dtype=np.float32)
+
+    from farskip_jax.parallel import batch_sharding, ep_forward, make_mesh, place, tp_forward
+
+    jmesh = make_mesh(mesh)
+    if mesh.tensor > 1:
+        graphdef, state = nnx.split(from_pretrained(checkpoint, **overrides))
+        tp = tp_forward(graphdef, state, jmesh)
+        placed = place(state, jmesh, "tp")
+        del state
+        logits = jax.jit(lambda s, i: tp(s, i)[0])(placed, ids)
+        return np.asarray(jax.device_get(logits), dtype=np.float32)
+    # Loading with the mesh puts each expert stack straight into its shard (no full copy on one device).
+    graphdef, state = nnx.split(from_pretrained(checkpoint, mesh=jmesh, **overrides))
+    state = place(state, jmesh, "ep")  # every other leaf replicated; a no-op for those already placed
+    ep = ep_forward(graphdef, jmesh)
+    padded = jax.device_put(pad_rows(ids, mesh.data * mesh.expert), batch_sharding(jmesh))
+    logits = jax.jit(lambda s, i: ep(s, i).logits)(state, padded)
+    return np.asarray(jax.device_get(logits), dtype=np.float32)[: ids.shape[0]]
 
 
 def run(args: argparse.Namespace) -> np.ndarray:
     from farskip_jax.checkpoint.hf_load import config_from_dir
 
+    mesh = parse_mesh(args.mesh) if args.mesh is not None else None
+    if mesh is not None:
+        provide_host_devices(mesh.num_devices)  # before anything below can start the JAX backend
     overrides = farskip_overrides(args)
     if args.dtype != "float32":
         overrides.update({"param_dtype": args.dtype, "dtype": args.dtype})
+    if not Path(args.checkpoint).is_dir():
+        raise CliError(f"--checkpoint {args.checkpoint}: no such directory (expected an HF checkpoint "
+                       "with config.json and weights)")
     ids = load_ids(args.input_ids)
     cfg = config_from_dir(args.checkpoint, **overrides)  # validates the overrides before loading
     ids = check_vocab(ids, cfg.vocab_size, args.input_ids)
-    logits = compute_logits(args.checkpoint, ids, overrides)
+    if mesh is not None:
+        check_layout(cfg, mesh, args.mesh)
+        check_devices(mesh, args.mesh)
+    logits = compute_logits(args.checkpoint, ids, overrides, mesh)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     np.save(out, logits)
@@ -168,21 +334,28 @@ def run(args: argparse.Namespace) -> np.ndarray:
     layers = list(fs.layer_range(cfg.num_layers))
     mode = "attn_only" if fs.attn_only else "mlp_only" if fs.mlp_only else "both"
     where = f"layers {layers[0]}..{layers[-1]} ({mode})" if layers else "off"
-    print(f"wrote {out}: float32 {list(logits.shape)}; farskip {where}; dtype {args.dtype}", file=sys.stderr)
+    sharded = ""
+    if mesh is not None:
+        kind = "tensor parallel" if mesh.tensor > 1 else "expert parallel"
+        rows = logits.shape[0]
+        padded = rows if mesh.tensor > 1 else rows + -rows % (mesh.data * mesh.expert)
+        sharded = f"; mesh {args.mesh} ({kind}, {mesh.num_devices} devices"
+        sharded += f", batch padded {rows} -> {padded} and stripped)" if padded != rows else ")"
+    print(f"wrote {out}: float32 {list(logits.shape)}; farskip {where}; dtype {args.dtype}{sharded}",
+          file=sys.stderr)
     return logits
 
 
+@cli_main
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `python -m farskip_jax logits`; returns the exit status."""
+    """Entry point of `python -m farskip_jax logits`; returns the exit status (2: user error)."""
     from farskip_jax.checkpoint.hf_io import CheckpointError
-    from farskip_jax.config import ConfigError
 
     args = build_parser().parse_args(argv)
     try:
         run(args)
-    except (CliError, CheckpointError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    except CheckpointError as e:  # a ValueError subclass: make it a one-line user error too
+        raise CliError(str(e)) from None
     return 0
 
 

@@ -1,4 +1,5 @@
-"""`python -m farskip_jax logits` on a tiny saved HF checkpoint: HF parity, FarSkip flags, errors."""
+"""`python -m farskip_jax logits` on a tiny saved HF checkpoint: HF parity, FarSkip flags, errors,
+and the sharded forward (`--mesh`: expert and tensor parallel on 8 host devices)."""
 
 from __future__ import annotations
 
@@ -14,19 +15,70 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "model"))
 from hf_tiny import build_hf, hf_logits, max_abs_err, random_ids, record, save_hf, tiny_hf_config  # noqa: E402
 
 from farskip_jax import cli_logits  # noqa: E402
+from farskip_jax.config import MeshConfig  # noqa: E402
+from farskip_jax.errors import UserError  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+# fp32: a sharded run against the single-device CLI, and either against HF's torch model.
+SHARDED_TOL, HF_TOL = 1e-5, 1e-4
+# --mesh -> (ids set, batch after padding): batch 2 is padded for data x expert = 8, batch 8 is not.
+MESH_RUNS = {"expert=8": ("ids", 8), "data=2,expert=4": ("ids8", 8), "tensor=8": ("ids", 2)}
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    cfg = tiny_hf_config(q_lora_rank=12, routed_scaling_factor=1.5)
+    # 8 heads (and 8 experts, MLP widths 48 and 16) so that --mesh tensor=8 splits every layer evenly.
+    cfg = tiny_hf_config(q_lora_rank=12, routed_scaling_factor=1.5, num_attention_heads=8)
     hf = build_hf(cfg, seed=11)
     d = save_hf(hf, tmp_path_factory.mktemp("cli_ckpt"))
-    ids = random_ids(cfg.vocab_size, batch=2, seq=17, seed=5)
-    ids_file = d.parent / "ids.npy"
-    np.save(ids_file, ids)
-    return dict(dir=d, ids=ids, ids_file=ids_file, ref=hf_logits(hf, ids), vocab=cfg.vocab_size)
+    out = dict(dir=d, vocab=cfg.vocab_size)
+    for name, batch in (("ids", 2), ("ids8", 8)):
+        ids = random_ids(cfg.vocab_size, batch=batch, seq=17, seed=5 + batch)
+        np.save(d.parent / f"{name}.npy", ids)
+        out.update({name: ids, f"{name}_file": d.parent / f"{name}.npy", f"{name}_ref": hf_logits(hf, ids)})
+    out["ref"] = out["ids_ref"]
+    return out
+
+
+def clean_env() -> dict[str, str]:
+    """The caller's environment without any JAX platform or device-count setting (conftest sets
+    both for this process): the CLI must find the CPU and make its 8 host devices itself."""
+    drop = ("JAX_PLATFORMS", "XLA_FLAGS", "JAX_NUM_CPU_DEVICES")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(JAX_COMPILATION_CACHE_DIR=str(REPO / ".jax_cache"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
+    return env
+
+
+@pytest.fixture(scope="module")
+def mesh_procs(ckpt, tmp_path_factory):
+    """Starts the three sharded CLI runs at once (interpreter start-up and imports dominate a run,
+    and overlap), each in a clean environment; tests wait for their own."""
+    out_dir = tmp_path_factory.mktemp("mesh_out")
+    procs = {}
+    for mesh, (ids_name, _) in MESH_RUNS.items():
+        out = out_dir / f"{mesh.replace(',', '_').replace('=', '')}.npy"
+        cmd = [sys.executable, "-m", "farskip_jax", "logits", "--checkpoint", str(ckpt["dir"]),
+               "--input-ids", str(ckpt[f"{ids_name}_file"]), "--out", str(out), "--mesh", mesh]
+        procs[mesh] = (subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True), out)
+    yield procs
+    for proc, _ in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def single(ckpt, tmp_path_factory):
+    """Single-device CLI logits (in process) for both id sets: what every --mesh run must equal."""
+    d = tmp_path_factory.mktemp("single")
+    out = {}
+    for name in ("ids", "ids8"):
+        assert cli_logits.main(["--checkpoint", str(ckpt["dir"]), "--input-ids", str(ckpt[f"{name}_file"]),
+                                "--out", str(d / f"{name}.npy")]) == 0
+        out[name] = np.load(d / f"{name}.npy")
+    return out
 
 
 def test_cli_subprocess_matches_hf(ckpt, tmp_path):
@@ -119,5 +171,95 @@ def test_main_dispatch_and_help(capsys):
     assert e.value.code == 0
     text = capsys.readouterr().out
     for word in ("--checkpoint", "--input-ids", "--out", "--farskip", "--farskip-range", "--dtype",
-                 "farskip_start_idx", "attn_only_farskip", "float32 [batch, seq, vocab_size]"):
+                 "farskip_start_idx", "attn_only_farskip", "float32 [batch, seq, vocab_size]", "--mesh",
+                 "data=2,expert=4", "tensor=8", "xla_force_host_platform_device_count"):
         assert word in text, word
+
+
+@pytest.mark.parametrize("mesh", list(MESH_RUNS))
+def test_cli_mesh_subprocess_equals_single_device(ckpt, mesh_procs, single, mesh):
+    """`--mesh` in a fresh process with no JAX_PLATFORMS / XLA_FLAGS: 8 host devices made by the
+    CLI, the same file as the single-device run (fp32, [batch, T, vocab]) to 1e-5, HF to 1e-4."""
+    ids_name, padded = MESH_RUNS[mesh]
+    proc, out = mesh_procs[mesh]
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr
+    batch = ckpt[ids_name].shape[0]
+    kind = "tensor parallel" if mesh.startswith("tensor") else "expert parallel"
+    pad_note = f", batch padded {batch} -> {padded} and stripped)" if padded != batch else ")"
+    assert f"farskip off; dtype float32; mesh {mesh} ({kind}, 8 devices{pad_note}" in stderr, stderr
+    logits = np.load(out)
+    assert logits.dtype == np.float32 and logits.shape == (batch, 17, ckpt["vocab"])
+    err_single = max_abs_err(logits, single[ids_name])
+    err_hf = max_abs_err(logits, ckpt[f"{ids_name}_ref"])
+    record("cli_logits_mesh", f"{mesh}/vs_single_device", err_single)
+    record("cli_logits_mesh", f"{mesh}/vs_hf", err_hf)
+    assert err_single <= SHARDED_TOL and err_hf <= HF_TOL
+
+
+@pytest.mark.parametrize("mesh", ["data=2,expert=4", "tensor=8"])
+def test_cli_mesh_farskip_equals_single_device(ckpt, tmp_path, mesh):
+    """FarSkip connectivity (two residual streams) under EP and TP, in process (conftest's 8 host
+    devices): the sharded recurrence equals the single-device one."""
+    common = ["--checkpoint", str(ckpt["dir"]), "--input-ids", str(ckpt["ids_file"]),
+              "--farskip-range", "1:2"]
+    assert cli_logits.main(common + ["--out", str(tmp_path / "one.npy")]) == 0
+    assert cli_logits.main(common + ["--out", str(tmp_path / "mesh.npy"), "--mesh", mesh]) == 0
+    one, sharded = np.load(tmp_path / "one.npy"), np.load(tmp_path / "mesh.npy")
+    err = max_abs_err(sharded, one)
+    record("cli_logits_mesh", f"{mesh}/farskip_1:2_vs_single_device", err)
+    assert err <= SHARDED_TOL
+    assert max_abs_err(sharded, ckpt["ref"]) > 1e-3  # FarSkip was on: not the regular model
+
+
+def test_parse_mesh():
+    assert cli_logits.parse_mesh("expert=8") == MeshConfig(expert=8)
+    assert cli_logits.parse_mesh(" data = 2 , expert=4") == MeshConfig(data=2, expert=4)
+    assert cli_logits.parse_mesh("tensor=8") == MeshConfig(tensor=8)
+    for bad, needle in [("", "expected AXIS=N"), ("expert", "expected AXIS=N"),
+                        ("gpu=8", "unknown axis 'gpu'"), ("expert=8,expert=2", "given twice"),
+                        ("expert=x", "must be an integer"),
+                        ("expert=0", ">= 1"), ("tensor=2,expert=4", "tensor cannot be combined"),
+                        ("data=2,tensor=4", "use --mesh tensor=4")]:
+        with pytest.raises(UserError, match="--mesh") as e:
+            cli_logits.parse_mesh(bad)
+        assert needle in str(e.value), (bad, str(e.value))
+
+
+def test_host_device_flags():
+    """XLA_FLAGS gets the host device count only for a CPU run whose user chose no count."""
+    flags = cli_logits.host_device_flags
+    force = "--xla_force_host_platform_device_count=8"
+    assert flags(8, "", "cpu", False, -1) == force
+    assert flags(8, "--xla_cpu_foo=1 ", "cpu", False, -1) == f"--xla_cpu_foo=1 {force}"
+    assert flags(8, "", None, False, -1) == force  # platform unset, no accelerator node: JAX picks the CPU
+    assert flags(8, "", "cpu,cuda", True, -1) == force
+    assert flags(8, "", None, True, -1) is None  # an accelerator will be used: leave the host alone
+    assert flags(8, "", "cuda", False, -1) is None
+    assert flags(1, "", "cpu", False, -1) is None  # one device exists anyway
+    assert flags(8, "--xla_force_host_platform_device_count=4", "cpu", False, -1) is None  # the user's
+    assert flags(8, "", "cpu", False, 2) is None  # JAX_NUM_CPU_DEVICES is the user's choice too
+
+
+@pytest.mark.parametrize("mesh,needle", [
+    ("expert=8,tensor=2", "tensor cannot be combined with expert or data"),
+    ("expert:8", "expected AXIS=N"),
+    ("data=2,expert=8", "needs 16 devices, 8 cpu device(s) available"),
+    ("expert=3", "expert=3 does not divide the checkpoint's 8 routed experts"),
+    ("tensor=3", "tensor=3 does not divide the checkpoint's attention heads 8, routed experts 8"),
+])
+def test_cli_mesh_errors(ckpt, tmp_path, capsys, mesh, needle):
+    out = tmp_path / "o.npy"
+    rc = cli_logits.main(["--checkpoint", str(ckpt["dir"]), "--input-ids", str(ckpt["ids_file"]),
+                          "--out", str(out), "--mesh", mesh])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: --mesh") and needle in err, err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_cli_missing_checkpoint_is_user_error(ckpt, tmp_path, capsys):
+    rc = cli_logits.main(["--checkpoint", str(tmp_path / "nope"), "--input-ids", str(ckpt["ids_file"]),
+                          "--out", str(tmp_path / "o.npy"), "--mesh", "expert=8"])
+    assert rc == 2
+    assert capsys.readouterr().err.strip() == (f"error: --checkpoint {tmp_path / 'nope'}: no such directory "
+                                               "(expected an HF checkpoint with config.json and weights)")
