@@ -1,0 +1,63 @@
+"""Peak temporary memory of one MLA attention core, forward + backward: [T, T] reference vs blockwise.
+
+Compiles (never runs) the vjp of `attention_core` on abstract DeepSeek-V2-Lite shapes (16 heads,
+q/k head dim 192, v head dim 128, bf16, one sequence, causal + segment ids) and reads
+``compiled.memory_analysis().temp_size_in_bytes``: the scratch XLA allocates beyond inputs and
+outputs, where the reference keeps its [H, T, T] fp32 scores and probabilities. Nothing is
+allocated, so 32k tokens compiles on any CPU.
+
+    JAX_PLATFORMS=cpu .venv/bin/python bench/attention_memory.py [--tokens 1024 4096 8192 32768]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+
+from farskip_jax.model.attention import attention_core
+
+
+def temp_bytes(impl: str, t: int, heads: int, qk_dim: int, v_dim: int, dtype: str,
+               block: int) -> tuple[int, float]:
+    """Compiled temp bytes of (q, k, v, d_out) -> (dq, dk, dv) for one attention core; compile seconds."""
+    def core(q, k, v, seg):
+        return attention_core(q, k, v, seg, qk_dim ** -0.5, impl, block, block)
+
+    def fwd_bwd(q, k, v, seg, d_out):
+        _, vjp = jax.vjp(lambda q, k, v: core(q, k, v, seg), q, k, v)
+        return vjp(d_out)
+
+    qk = jax.ShapeDtypeStruct((1, t, heads, qk_dim), dtype)
+    v = jax.ShapeDtypeStruct((1, t, heads, v_dim), dtype)
+    seg = jax.ShapeDtypeStruct((1, t), jnp.int32)
+    t0 = time.perf_counter()
+    compiled = jax.jit(fwd_bwd).lower(qk, qk, v, seg, v).compile()
+    return int(compiled.memory_analysis().temp_size_in_bytes), time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192, 32768])
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--qk-dim", type=int, default=192)
+    ap.add_argument("--v-dim", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--block", type=int, default=512, help="attention_block_q = attention_block_kv")
+    args = ap.parse_args()
+
+    print(f"MLA attention core fwd+bwd, 1 sequence, {args.heads} heads, qk {args.qk_dim} / v {args.v_dim}, "
+          f"{args.dtype}, block {args.block}, backend {jax.default_backend()}")
+    print(f"{'tokens':>7} | {'reference temp':>15} | {'blockwise temp':>15} | {'ratio':>7} | "
+          "compile s (ref / blk)")
+    for t in args.tokens:
+        ref, ref_s = temp_bytes("reference", t, args.heads, args.qk_dim, args.v_dim, args.dtype, args.block)
+        blk, blk_s = temp_bytes("blockwise", t, args.heads, args.qk_dim, args.v_dim, args.dtype, args.block)
+        print(f"{t:>7} | {ref / 2**20:>11.1f} MiB | {blk / 2**20:>11.1f} MiB | {ref / blk:>6.1f}x | "
+              f"{ref_s:.1f} / {blk_s:.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
