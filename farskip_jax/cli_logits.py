@@ -154,8 +154,8 @@ def provide_host_devices(needed: int) -> None:
     import jax
 
     flags = host_device_flags(needed, os.environ.get("XLA_FLAGS", ""),
-                              os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms,
-                              accelerator_present(), int(jax.config.jax_num_cpu_devices))
+                              jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS"),
+                              accelerator_present(), int(getattr(jax.config, "jax_num_cpu_devices", -1)))
     if flags is not None:
         os.environ["XLA_FLAGS"] = flags
 
@@ -169,8 +169,9 @@ def check_devices(mesh: MeshConfig, text: str) -> None:
         return
     platform = devices[0].platform
     n = mesh.num_devices
-    if platform == "cpu" and int(jax.config.jax_num_cpu_devices) >= 0:
-        fix = f"raise JAX_NUM_CPU_DEVICES (now {jax.config.jax_num_cpu_devices}) to {n} or unset it"
+    user_count = int(getattr(jax.config, "jax_num_cpu_devices", -1))  # JAX_NUM_CPU_DEVICES or config
+    if platform == "cpu" and user_count >= 0:
+        fix = f"raise JAX_NUM_CPU_DEVICES (now {user_count}) to {n} or unset it"
     elif platform == "cpu" and FORCE_COUNT in os.environ.get("XLA_FLAGS", ""):
         fix = f"raise --{FORCE_COUNT} in your XLA_FLAGS to {n} or remove it"
     elif platform == "cpu":
