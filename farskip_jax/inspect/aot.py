@@ -12,7 +12,6 @@ Requirements: ``JAX_PLATFORMS=cpu`` (so JAX does not try to open real GPU client
 from __future__ import annotations
 
 import glob
-import importlib.resources
 import math
 import os
 import tempfile
@@ -24,20 +23,9 @@ from typing import Any
 import jax
 from jax.experimental import topologies
 
-from farskip_jax import xla_flags
+from farskip_jax import platforms, targets, xla_flags
 
-_PLATFORM = {"h200": "cuda", "mi300x": "rocm"}
-_SPEC_FILE = {"h200": "h200.txtpb", "mi300x": "mi300x.txtpb"}
 GPUS_PER_HOST = 8
-
-
-def load_target_file(filename: str) -> str:
-    """Text of a file shipped in farskip_jax/targets/."""
-    try:
-        return importlib.resources.files("farskip_jax.targets").joinpath(filename).read_text()
-    except (ModuleNotFoundError, FileNotFoundError, TypeError):
-        # source checkout without package metadata: fall back to the path next to this package
-        return (Path(__file__).resolve().parent.parent / "targets" / filename).read_text()
 
 
 def topology_string(num_devices: int) -> str:
@@ -51,21 +39,40 @@ def topology_string(num_devices: int) -> str:
 
 def get_target_topology(target: str, num_devices: int) -> Any:
     """Compile-only topology of ``num_devices`` GPUs of kind ``target``."""
-    if target not in _PLATFORM:
-        raise ValueError(f"no deviceless topology for target {target!r}; use one of {sorted(_PLATFORM)}")
+    if target not in targets.PLATFORMS:
+        raise ValueError(f"no deviceless topology for target {target!r}; "
+                         f"use one of {sorted(targets.PLATFORMS)}")
+    # Effective only before JAX discovers its plugins; afterwards it checks that what is in place
+    # suffices (cpu platforms; for mi300x, the stand-ins) and says what to do if not.
+    prepare_deviceless(target)
+    try:
+        return topologies.get_topology_desc(
+            platform=targets.PLATFORMS[target], target_config=targets.spec_text(target),
+            topology=topology_string(num_devices))
+    except NotImplementedError as e:
+        hint = ("install jax-cuda13-plugin/jax-cuda13-pjrt matching jaxlib (make test does)"
+                if target == "h200" else
+                "install jax-rocm7-plugin/-pjrt (make rocm-plugin) and call "
+                "aot.prepare_deviceless('mi300x') before JAX initialises backends (in a fresh process)")
+        raise RuntimeError(f"deviceless {target} topology unavailable ({e}); {hint}") from e
+
+
+def prepare_deviceless(target: str) -> None:
+    """Arrange what a deviceless compile for ``target`` needs; call before JAX initialises backends.
+
+    Every non-local target needs JAX's platforms restricted to ``cpu``: otherwise JAX opens real GPU
+    clients (and, with no GPU, the CUDA plugin's version check raises "Unable to load cuDNN" and the
+    plugin never registers, so the H200 topology is "not implemented"). The plugins still load and
+    provide the topologies. 'mi300x' also needs the ROCm stand-ins (rocm_standins.enable()).
+    'local' compiles for the real devices and changes nothing.
+    """
+    if target == "local":
+        return
+    platforms.use_cpu_for_deviceless_compile()
     if target == "mi300x":
         from farskip_jax.inspect import rocm_standins
 
         rocm_standins.enable()
-    try:
-        return topologies.get_topology_desc(
-            platform=_PLATFORM[target], target_config=load_target_file(_SPEC_FILE[target]),
-            topology=topology_string(num_devices))
-    except NotImplementedError as e:
-        hint = ("install jax-cuda13-plugin/jax-cuda13-pjrt matching jaxlib" if target == "h200" else
-                "install jax-rocm7-plugin/-pjrt and call rocm_standins.enable() before JAX "
-                "initialises backends (in a fresh process)")
-        raise RuntimeError(f"deviceless {target} topology unavailable ({e}); {hint}") from e
 
 
 def make_target_mesh(target: str, mesh_shape: dict[str, int]) -> jax.sharding.Mesh:

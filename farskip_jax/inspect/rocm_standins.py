@@ -21,8 +21,9 @@ is another version, the list is regenerated from the .so itself with ``readelf -
 unversioned ones by name prefix), so stand-ins always match the installed plugin.
 
 Fragile: the patched function is private; an unknown soname in a future plugin needs a new prefix
-rule (we refuse rather than guess). Use: ``enable()`` before JAX touches any backend, with
-``JAX_PLATFORMS=cpu``; ``python -m farskip_jax.inspect.rocm_standins build`` prebuilds the cache.
+rule (we refuse rather than guess). Use: ``enable()`` before JAX touches any backend (it restricts
+JAX to ``cpu`` itself, see farskip_jax/platforms.py); ``python -m farskip_jax.inspect.rocm_standins
+build`` prebuilds the cache.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
-from farskip_jax.inspect.aot import load_target_file
+from farskip_jax.targets import load_target_file
 
 IMPORTS_FILE = "rocm7_plugin_imports_0.10.2.txt"
 IMPORTS_VERSION = "0.10.2"
@@ -208,15 +210,24 @@ def enable() -> Path:
     global _ENABLED
     if _ENABLED:
         return build()
-    platforms = os.environ.get("JAX_PLATFORMS", "")
-    if platforms.strip().lower() != "cpu":
-        raise RocmStandinError(f"JAX_PLATFORMS must be 'cpu' for a deviceless ROCm compile, is {platforms!r}")
+    import jax
     from jax._src import xla_bridge
 
+    from farskip_jax import platforms
+
+    platforms.use_cpu_for_deviceless_compile()
+    if jax.config.jax_platforms != "cpu":
+        raise RocmStandinError(f"JAX backends already started with platforms {jax.config.jax_platforms!r}; "
+                               "a deviceless ROCm compile needs 'cpu' (use a fresh process)")
     if getattr(xla_bridge, "_plugins_registered", False):
         raise RocmStandinError("JAX already discovered its plugins in this process, so the ROCm plugin "
                                "was skipped; call rocm_standins.enable() first (use a fresh process)")
     out_dir = build()
+    # With the CUDA plugin in the same venv, importing the ROCm plugin's extension re-registers a
+    # Triton type that the CUDA one registered; nanobind warns, and nothing else happens
+    # (ROCM_DEVICELESS.md). Keep the inspector's output to what matters.
+    warnings.filterwarnings("ignore", category=RuntimeWarning,
+                            message="nanobind: type 'TritonCompilationResult' was already registered")
     names = json.loads((out_dir / "manifest.json").read_text())["sonames"]
     for soname in sorted(names, key=lambda s: not s.startswith("libamdhip64")):
         ctypes.CDLL(str(out_dir / soname), mode=ctypes.RTLD_GLOBAL)
