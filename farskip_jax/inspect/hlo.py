@@ -14,6 +14,7 @@ regular), not for predicting wall-clock step time.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import asdict, dataclass
@@ -37,7 +38,8 @@ from farskip_jax.inspect.hlo_parse import (  # noqa: F401 - re-exported for call
 # fully connected peer to peer, 448 GB/s aggregate per direction). Inter-node: one 400 Gb/s NIC per
 # GPU (ConnectX-7 on DGX H200; typical MI300X nodes) = 50 GB/s. latency_us is a per-collective
 # launch/synchronisation floor (our assumption, order of NCCL/RCCL small-message latency).
-# XLA's own mi300x.txtpb says memory_bandwidth 6.81e12; we keep the datasheet number for roofline.
+# hbm_bw equals memory_bandwidth in farskip_jax/targets/<target>.txtpb (the spec XLA compiles with;
+# the MI300X one was corrected from 6.81e12 to the datasheet's 5.3e12), checked by a test.
 # ---------------------------------------------------------------------------------------------
 HARDWARE: dict[str, dict[str, Any]] = {
     "h200": {
@@ -64,6 +66,11 @@ _FREE_OPS = {
     "send-done", "recv-done", "domain", "iota", "async-update",
 }
 _LAYER_RE = re.compile(r"layer_(\d+)")
+# JAX names every op of a reverse-mode pass `transpose(<forward name stack>)`; the primitive
+# `transpose` (jnp.transpose) prints without the parenthesis.
+_BWD_MARK = "transpose("
+_RECOMPUTE_MARK = "rematted_computation"  # forward ops that jax.checkpoint recomputes in the backward
+_TEACHER_RE = re.compile(r"(?:^|[/(])teacher(?=[/)]|$)")
 KNOWN_ROLES = ("dispatch", "combine", "attention", "shared", "router", "experts", "mlp", "lm_head",
                "tp_psum_attn_shared", "tp_psum_routed", "tp_psum_attn", "tp_psum_shared", "tp_psum_ffn",
                "tp_psum_block")
@@ -190,18 +197,24 @@ def transfer_time_us(kind: str, nbytes: float, n: int, hw: dict[str, Any]) -> fl
 
 
 def infer_role(op_name: str) -> tuple[int | None, str | None, str]:
-    """(layer, role, direction) from a jax.named_scope path in metadata op_name.
+    """(layer, role, direction by name) from a jax.named_scope path in metadata op_name.
 
     Transformations wrap scope names (`jvp(layer_3)/shard_map/dispatch`,
     `transpose(jvp(layer_3))/...`), so the layer is the last `layer_N` anywhere in the path and
-    the role the innermost known scope after it.
+    the role the innermost known scope after it. The direction here is the name's alone; the
+    analysis decides it by data flow (``Phases``), which also catches nameless collectives.
     """
-    direction = "bwd" if "transpose(" in op_name else "fwd"
+    direction = "bwd" if _BWD_MARK in op_name else "fwd"
     layers = _LAYER_RE.findall(op_name)
     layer = int(layers[-1]) if layers else None
     parts = re.split(r"[/()]", op_name)
     role = next((p for p in reversed(parts) if p in KNOWN_ROLES), None)
     return layer, role, direction
+
+
+def model_of(op_name: str) -> str:
+    """'teacher' for ops traced inside ``jax.named_scope("teacher")``, else 'student'."""
+    return "teacher" if _TEACHER_RE.search(op_name) else "student"
 
 
 @dataclass
@@ -233,6 +246,8 @@ class CollectiveRecord:
     direction: str
     ops_between: list[BetweenOp]
     sim_exposed_us: float = 0.0
+    model: str = "student"  # "teacher" inside jax.named_scope("teacher") (FCSD's frozen teacher)
+    recompute: bool = False  # a forward collective that jax.checkpoint re-runs in the backward
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -255,11 +270,139 @@ class Analysis:
         return d
 
 
+Flag = bool | tuple  # one flag per value; a tuple-shaped value has one (nested) flag per element
+
+
+def _any(f: Flag) -> bool:
+    return any(_any(x) for x in f) if isinstance(f, tuple) else bool(f)
+
+
+def _merge(a: Flag, b: Flag) -> Flag:
+    if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b):
+        return tuple(_merge(x, y) for x, y in zip(a, b, strict=True))
+    if a is b or (not isinstance(a, tuple) and not isinstance(b, tuple) and a == b):
+        return a
+    return _any(a) or _any(b)
+
+
+class Phases:
+    """Forward or backward for every instruction of a module, decided by data flow.
+
+    The rule: an instruction belongs to the backward pass when its own ``op_name`` carries JAX's
+    reverse-mode mark ``transpose(``, or when any of its operands is backward; everything else is
+    forward. A fusion (or async-start wrapper) is decided by the same rule applied to the
+    instructions inside it, one flag per output, so a multi-output fusion that XLA built from a
+    forward and a backward sibling gives each output its own direction. Backward values
+    are exactly those that depend on the loss's cotangent, so a forward activation never becomes
+    backward, and anything computed from a gradient does, whatever its name. That matters for
+    collectives XLA creates or merges itself: the SPMD partitioner's all-reduces of replicated
+    weights' gradients and the all-reduce combiner's merged ones carry an empty ``op_name`` (seen
+    in every train step we compiled), the global-norm all-reduce of the sharded expert gradients
+    has no name either, and all of them are backward here because their operands are gradients.
+    A collective merged from forward and backward parts is backward (it waits for the backward).
+
+    Schedule position is not used: XLA may schedule a forward-only collective late (the loss's
+    scalar all-reduce, which nothing in the backward reads, often lands after backward
+    all-to-alls), so "after the first backward op" would call it backward.
+
+    Values are tracked per tuple element through ``tuple`` / ``get-tuple-element``, parameters of
+    called computations, and while loops (the carry is iterated to a fixed point), so a gradient
+    accumulator in a micro-batch loop's carry does not turn the loop's forward collectives, or a
+    loss accumulator read after the loop, into backward ones. Forward ops that ``jax.checkpoint``
+    recomputes run inside the backward and JAX names them ``transpose(...)/.../rematted_computation``,
+    so a recomputed Dispatch is backward here; ``CollectiveRecord.recompute`` marks it.
+    """
+
+    def __init__(self, mod: HloModule):
+        self.mod = mod
+        self.bwd: dict[tuple[str, str], bool] = {}
+        self._named: dict[str, bool] = {}
+        self.run(mod.entry, [])
+
+    def is_bwd(self, computation: str, instr: str) -> bool:
+        return self.bwd.get((computation, instr), False)
+
+    def _has_names(self, cname: str) -> bool:
+        """Whether any instruction of a computation carries an op_name to decide by."""
+        if cname not in self._named:
+            comp = self.mod.computations.get(cname)
+            self._named[cname] = comp is not None and any(i.op_name for i in comp.instrs)
+        return self._named[cname]
+
+    def run(self, cname: str, params: list[Flag], depth: int = 0) -> Flag:
+        """Flags of computation ``cname`` given its parameters' flags; returns the root's flag."""
+        comp = self.mod.computations.get(cname)
+        if comp is None or depth > 32:
+            return any(_any(p) for p in params)
+        vals: dict[str, Flag] = {}
+        for ins in comp.instrs:
+            ops = [vals.get(o, False) for o in ins.operands]
+            op = ins.opcode
+            if op == "parameter":
+                k = ins.param_index
+                f = params[k] if k is not None and k < len(params) else False
+            elif op == "get-tuple-element":
+                src = ops[0] if ops else False
+                m = re.search(r"\bindex=(\d+)", ins.attrs)
+                k = int(m.group(1)) if m else -1
+                f = src[k] if isinstance(src, tuple) and 0 <= k < len(src) else _any(src)
+            elif op == "tuple":
+                f = tuple(ops)
+            elif op == "while":
+                state = ops[0] if ops else False
+                body, cond = ins.attr("body"), ins.attr("condition")
+                for _ in range(16):  # monotone: converges in at most a few passes
+                    new = _merge(state, self.run(body, [state], depth + 1)) if body else state
+                    if new == state:
+                        break
+                    state = new
+                if cond:
+                    self.run(cond, [state], depth + 1)
+                f = state
+            elif op == "call":
+                called = ins.called()
+                f = self.run(called[0], ops, depth + 1) if called else any(_any(o) for o in ops)
+            elif op == "conditional":
+                # operand 0 selects the branch, operand i + 1 is branch i's argument
+                outs = [self.run(b, ops[i + 1:i + 2], depth + 1) for i, b in enumerate(ins.called())]
+                f = functools.reduce(_merge, outs) if outs else False
+                if ops and _any(ops[0]):
+                    f = True
+            elif (inner := _inner_call(ins)) and self._has_names(inner):
+                # A fusion (or async wrapper) is decided by the instructions inside it, per output:
+                # XLA's multi-output fusions put forward and backward siblings together (the mean
+                # loss's partial sum next to its gradient, under the gradient's op_name).
+                f = self.run(inner, ops, depth + 1)
+            else:
+                f = _BWD_MARK in ins.op_name or any(_any(o) for o in ops)
+            vals[ins.name] = f
+            key = (cname, ins.name)
+            self.bwd[key] = self.bwd.get(key, False) or _any(f)
+        root = comp.root
+        return vals.get(root.name, False) if root is not None else False
+
+
+def _inner_call(ins: Instr) -> str | None:
+    """The computation whose instructions make up ``ins`` itself: a fusion's or async-start's body.
+
+    Not ``to_apply`` reducers: XLA shares one ``add`` region among many all-reduces and reduces,
+    forward and backward alike, so its names say nothing about the caller.
+    """
+    return ins.attr("calls") if ins.opcode in ("fusion", "async-start") else None
+
+
 class _Analyzer:
     def __init__(self, mod: HloModule, hw: dict[str, Any]):
         self.mod, self.hw = mod, hw
         self._cost: dict[tuple[str, str], float] = {}
         self._comp_cost: dict[str, float] = {}
+        self._phases: Phases | None = None
+
+    @property
+    def phases(self) -> Phases:
+        if self._phases is None:
+            self._phases = Phases(self.mod)
+        return self._phases
 
     def op_time_us(self, comp: Computation, ins: Instr) -> float:
         key = (comp.name, ins.name)
@@ -337,11 +480,13 @@ class _Analyzer:
                 is_async = form == "start" and not flagged and bool(between)
                 transfer = transfer_time_us(kind, nbytes, n, self.hw)
                 compute = sum(b.est_us for b in between) if is_async else 0.0
-                layer, role, direction = infer_role(ins.op_name)
+                layer, role, _ = infer_role(ins.op_name)
+                direction = "bwd" if self.phases.is_bwd(cname, ins.name) else "fwd"
                 recs.append(CollectiveRecord(
                     ins.name, kind, cname, k, done_k, flagged, is_async, nbytes, n, transfer, compute,
                     min(compute, transfer) / transfer if transfer > 0 else 1.0, w, ins.op_name, layer,
-                    role, direction, between))
+                    role, direction, between, model=model_of(ins.op_name),
+                    recompute=_RECOMPUTE_MARK in ins.op_name))
         return recs
 
 

@@ -45,6 +45,7 @@ class Instr:
     operands: list[str]
     attrs: str
     is_root: bool = False
+    param_index: int | None = None  # N of parameter(N)
 
     def attr(self, key: str) -> str | None:
         m = re.search(r"\b" + re.escape(key) + r"=%?([\w.\-]+)", self.attrs)
@@ -122,7 +123,8 @@ def _parse_instr(line: str) -> Instr | None:
     end = _split_balanced(rest, om.end() - 1)
     operand_text, attrs = rest[om.end():end - 1], rest[end:]
     operands = re.findall(r"%([\w.\-]+)", operand_text)
-    return Instr(name, shape, opcode, operands, attrs, is_root)
+    pidx = int(operand_text) if opcode == "parameter" and operand_text.strip().isdigit() else None
+    return Instr(name, shape, opcode, operands, attrs, is_root, pidx)
 
 
 def parse_hlo(text: str) -> HloModule:

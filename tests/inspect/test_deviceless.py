@@ -76,3 +76,52 @@ def test_run_inspect_cli(mesh: jax.sharding.Mesh, tmp_path: Path) -> None:
     trace = json.loads((tmp_path / "report_overlap.trace.json").read_text())
     assert any(e.get("tid") == 2 and e["ph"] == "X" for e in trace["traceEvents"])
     assert reps["overlap"]["meta"]["compiler_options"] == {"xla_gpu_enable_latency_hiding_scheduler": True}
+
+
+def _analyze_step(fn: object, specs: tuple, **options: object) -> hlo.Analysis:
+    art = aot.compile_scheduled_hlo(fn, *specs, target="h200", compiler_options=options)
+    return hlo.analyze(art.hlo_text, "h200")
+
+
+def test_direction_data_parallel_gradient_all_reduces(mesh: jax.sharding.Mesh) -> None:
+    """Known structure (toy_programs.dp_step): one forward all-reduce (the row count), the two
+    weight gradients' all-reduces backward, merged by XLA into one nameless all-reduce."""
+    fn, specs = toy_programs.dp_step(mesh)
+    grad_bytes = [4 * 256 * 512, 4 * 512 * 256]
+
+    merged = _analyze_step(fn, specs)
+    assert [c.kind for c in merged.collectives] == ["all-reduce", "all-reduce"]
+    (fwd,) = [c for c in merged.collectives if c.direction == "fwd"]
+    (bwd,) = [c for c in merged.collectives if c.direction == "bwd"]
+    assert fwd.bytes == 4 and "transpose(" not in fwd.op_name
+    assert bwd.bytes == sum(grad_bytes)
+    # the case the name alone gets wrong: no op_name at all, which a name rule calls forward
+    assert bwd.op_name == "" and hlo.infer_role(bwd.op_name)[2] == "fwd"
+
+    split = _analyze_step(fn, specs, xla_gpu_all_reduce_combine_threshold_bytes=0)
+    got = sorted((c.direction, c.bytes) for c in split.collectives)
+    assert got == [("bwd", grad_bytes[0]), ("bwd", grad_bytes[1]), ("fwd", 4)]
+    assert {c.layer for c in split.collectives if c.direction == "bwd"} == {0, 1}
+
+
+def test_direction_expert_parallel_dispatch_combine(mesh: jax.sharding.Mesh) -> None:
+    """Known structure (toy_programs.ep_step): Dispatch and Combine forward, their transposes
+    backward, the replicated weight's gradient all-reduce backward, the loss scalar forward."""
+    fn, specs = toy_programs.ep_step(mesh)
+    a = _analyze_step(fn, specs)
+    a2a = [(c.role, c.direction) for c in sorted(a.collectives, key=lambda c: c.start_index)
+           if c.kind == "all-to-all"]
+    assert a2a == [("dispatch", "fwd"), ("combine", "fwd"), ("combine", "bwd"), ("dispatch", "bwd")]
+    ar = sorted((c.bytes, c.direction) for c in a.collectives if c.kind == "all-reduce")
+    assert ar == [(4.0, "fwd"), (2.0 * 1024 * 1024, "bwd")]  # loss sum f32; d(wr) bf16 [1024, 1024]
+    loss_ar = next(c for c in a.collectives if c.bytes == 4)
+    first_bwd = min(c.start_index for c in a.collectives if c.direction == "bwd")
+    print(f"loss all-reduce scheduled at {loss_ar.start_index}, first backward collective at {first_bwd}")
+
+    rem = _analyze_step(*toy_programs.ep_step(mesh, remat=True))
+    a2a = sorted((c.role, c.direction, c.recompute) for c in rem.collectives if c.kind == "all-to-all")
+    # jax.checkpoint recomputes the forward Dispatch inside the backward (the recomputed Combine is
+    # dead code); it runs in the backward, so it counts there, marked as a recompute.
+    assert a2a == [("combine", "bwd", False), ("combine", "fwd", False), ("dispatch", "bwd", False),
+                   ("dispatch", "bwd", True), ("dispatch", "fwd", False)]
+    assert rem.totals["by_direction"]["fwd"]["count"] == 3  # 2 all-to-alls + the loss all-reduce

@@ -67,12 +67,42 @@ def test_nested_while_body_and_wrappers() -> None:
     rs = by["reduce-scatter"]  # async-start/async-done wrapper, loop fusion between
     assert rs.is_async and rs.bytes == 128 * 1024 * 2 and [b.name for b in rs.ops_between] == ["loop_fusion"]
     t = a.totals
-    assert t["by_direction"]["bwd"]["count"] == 4 and t["by_direction"]["fwd"]["count"] == 8
+    # Direction by data flow (hlo.Phases): the psum is named backward; the all-to-all reads its
+    # result and the reduce-scatter a backward GEMM, so both are backward too whatever their names.
+    assert [c.direction for c in a.collectives] == ["bwd"] * 3
+    assert t["by_direction"]["bwd"]["count"] == 12 and t["by_direction"]["fwd"]["count"] == 0
     assert t["by_kind"]["all-to-all"]["sync"] == 4 and t["by_kind"]["all-to-all"]["hidden_frac"] == 0.0
     # timeline: entry dot + 4 x (dot, all-reduce wait, sync all-to-all, loop fusion, rs wait)
     loop_us = 4 * 2**20 / 4.8e12 * 1e6
     per_iter = dot_us + (ring - dot_us) + by["all-to-all"].transfer_us + loop_us + (rs.transfer_us - loop_us)
     assert t["est_step_us"] == pytest.approx(dot_us + 4 * per_iter)
+
+
+def test_direction_by_data_flow_through_tuples_loops_and_calls() -> None:
+    """phases.hlo: every collective is nameless; which is backward follows from what it reads.
+
+    ar_h: forward (its reducer region is named backward, which must not count); a2a_x: reads a loop
+    carry element that stays forward while another element carries a gradient; ar_g: reads the
+    gradient element; ar_y: forward in the first trip, a gradient from the second on (the body
+    writes g into y), so backward; ar_x_out: the forward element after the loop; ar_call: a
+    gradient passed into a called computation.
+    """
+    a = _analyze("phases.hlo")
+    got = {c.name: c.direction for c in a.collectives}
+    assert got == {"ar_h": "fwd", "a2a_x": "fwd", "ar_g": "bwd", "ar_y": "bwd", "ar_x_out": "fwd",
+                   "ar_call": "bwd"}
+    assert all(c.op_name == "" and c.model == "student" and not c.recompute for c in a.collectives)
+    weights = {c.name: c.weight for c in a.collectives}
+    assert weights["a2a_x"] == 3 and weights["ar_h"] == 1
+    t = a.totals["by_direction"]
+    assert t["fwd"]["count"] == 1 + 3 + 1 and t["bwd"]["count"] == 3 + 3 + 1
+
+
+def test_model_of_teacher_scope() -> None:
+    assert hlo.model_of("jit(step)/while/body/teacher/layer_3/shard_map/dispatch/all_to_all") == "teacher"
+    assert hlo.model_of("jit(step)/jvp(teacher)/layer_3/combine") == "teacher"
+    assert hlo.model_of("jit(step)/jvp(layer_3)/shard_map/dispatch/all_to_all") == "student"
+    assert hlo.model_of("jit(step)/teachers/x") == "student"
 
 
 def test_transfer_model_mi300x_full_mesh() -> None:
@@ -126,3 +156,15 @@ def test_xla_flags_user_wins() -> None:
                                                         "xla_gpu_enable_triton_gemm": False}
     with pytest.raises(ValueError):
         xla_flags.flags_for("tpu")
+
+
+def test_target_specs_match_the_roofline_table() -> None:
+    """The spec XLA compiles with and the inspector's roofline agree on HBM bandwidth; memory sizes
+    are what the GPUs report as usable (MI300X 191.7 GiB of its 192, H200 141 GB)."""
+    from farskip_jax import targets
+
+    for t in ("h200", "mi300x"):
+        assert targets.memory_bandwidth(t) == hlo.HARDWARE[t]["hbm_bw"]
+    assert targets.memory_bandwidth("mi300x") == 5.3e12
+    assert targets.device_memory_size("mi300x") == 205822885888
+    assert targets.device_memory_size("h200") == 151397597184

@@ -49,3 +49,83 @@ def build_step(mesh: Any, mode: str) -> tuple[Any, tuple[Any, ...]]:
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 4 + (P(),) * 4,
                                out_specs=(P("x"), P("x"))))
     return fn, _specs(mesh, 4, 4)
+
+
+# ------------------------------------------------------------------------------------------------
+# Train steps with a known forward/backward structure, for the direction classification.
+
+DP_WIDTHS = (256, 512, 256)  # a 2-layer MLP: w0 [256, 512], w1 [512, 256], replicated
+DP_ROWS = 2048  # global batch rows, 256 per device
+
+
+def _dp_loss(params: dict[str, Any], x: Any, y: Any, mask: Any) -> Any:
+    with jax.named_scope("layer_0/mlp"):
+        h = jax.nn.relu(x @ params["w0"])
+    with jax.named_scope("layer_1/mlp"):
+        out = h @ params["w1"]
+    # mean over the valid rows, as the trainer normalises by its token count
+    return jnp.sum(jnp.square(out - y) * mask[:, None]) / jnp.sum(mask)
+
+
+def dp_step(mesh: Any) -> tuple[Any, tuple[Any, ...]]:
+    """Data-parallel SGD step: batch rows split over 'x', weights replicated, returns the params.
+
+    Known structure: the one forward collective is the all-reduce of the valid-row count (f32
+    scalar), which the backward needs; the partitioner all-reduces each weight's gradient (f32
+    [256, 512] and [512, 256]) in the backward. XLA's all-reduce combiner merges those two into one
+    whose op_name is empty, the case a name-based rule calls forward.
+    """
+
+    def step(params: dict[str, Any], x: Any, y: Any, mask: Any) -> dict[str, Any]:
+        g = jax.grad(_dp_loss)(params, x, y, mask)
+        return jax.tree.map(lambda p, d: p - 0.1 * d, params, g)
+
+    rep, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("x"))
+    a, b, c = DP_WIDTHS
+    params = {"w0": jax.ShapeDtypeStruct((a, b), jnp.float32, sharding=rep),
+              "w1": jax.ShapeDtypeStruct((b, c), jnp.float32, sharding=rep)}
+    x = jax.ShapeDtypeStruct((DP_ROWS, a), jnp.float32, sharding=rows)
+    y = jax.ShapeDtypeStruct((DP_ROWS, c), jnp.float32, sharding=rows)
+    mask = jax.ShapeDtypeStruct((DP_ROWS,), jnp.float32, sharding=rows)
+    return jax.jit(step), (params, x, y, mask)
+
+
+def _ep_layer(mesh: Any, x: Any, wr: Any, w_in: Any, w_out: Any) -> Any:
+    with jax.named_scope("layer_0"):
+        with jax.named_scope("attention"):
+            a = jnp.tanh(x @ wr)
+
+        def moe(t: Any, w_in: Any, w_out: Any) -> Any:
+            with jax.named_scope("dispatch"):
+                t = jax.lax.all_to_all(t, "x", 0, 0, tiled=True)
+            with jax.named_scope("experts"):
+                t = jax.nn.relu(t @ w_in[0]) @ w_out[0]
+            with jax.named_scope("combine"):
+                return jax.lax.all_to_all(t, "x", 0, 0, tiled=True)
+
+        return a + jax.shard_map(moe, mesh=mesh, in_specs=(P("x"),) * 3, out_specs=P("x"))(a, w_in, w_out)
+
+
+def ep_step(mesh: Any, remat: bool = False) -> tuple[Any, tuple[Any, ...]]:
+    """Expert-parallel SGD step: one MoE layer with Dispatch and Combine all-to-alls.
+
+    Known structure: forward Dispatch and Combine; their transposes in the backward (Combine's
+    first); the replicated router/attention weight's gradient all-reduce (backward); the loss
+    mean's scalar all-reduce (forward). With ``remat`` the layer is rematerialised: the backward
+    recomputes the forward Dispatch (the recomputed Combine is dead and removed).
+    """
+    layer = jax.checkpoint(_ep_layer, static_argnums=(0,)) if remat else _ep_layer
+
+    def loss(p: dict[str, Any], x: Any) -> Any:
+        return jnp.mean(jnp.square(layer(mesh, x, p["wr"], p["w_in"], p["w_out"]).astype(jnp.float32)))
+
+    def step(p: dict[str, Any], x: Any) -> tuple[dict[str, Any], Any]:
+        val, g = jax.value_and_grad(loss)(p, x)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), val
+
+    rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("x"))
+    params = {"wr": jax.ShapeDtypeStruct((D, D), jnp.bfloat16, sharding=rep),
+              "w_in": jax.ShapeDtypeStruct((8, D, D), jnp.bfloat16, sharding=split),
+              "w_out": jax.ShapeDtypeStruct((8, D, D), jnp.bfloat16, sharding=split)}
+    x = jax.ShapeDtypeStruct((ROWS, D), jnp.bfloat16, sharding=split)
+    return jax.jit(step), (params, x)
