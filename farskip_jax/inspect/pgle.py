@@ -1,0 +1,261 @@
+"""Synthetic PGLE profiles: give XLA's latency-hiding scheduler the inspector's own costs.
+
+Why: on gfx942 (MI300X) XLA has no speed-of-light model, so its latency-hiding scheduler (LHS)
+falls back to fixed "T-shirt" costs: any async collective 5000 units, a GEMM 1000, most other ops
+1 (shared/XLA_SCHEDULING.md section 1). It therefore believes ~5 GEMMs cover any all-to-all and
+stops filling the window, whatever the real sizes are. A profile-guided latency estimator (PGLE)
+profile replaces those units with microseconds per instruction. XLA reads it from disk inside the
+scheduling pass, so it works in a deviceless compile; this module writes one from the same
+roofline + link model the inspector measures with (``hlo._Analyzer.op_time_us`` for compute,
+``hlo.transfer_time_us`` for collectives), so the scheduler and the report agree on what an op costs.
+
+How (``compile_with_synthetic_pgle``):
+
+1. Compile once with a dump of the module as the scheduler receives it: ``xla_dump_to`` plus
+   ``xla_dump_hlo_pass_re=legalize-scheduling-annotations`` writes
+   ``*.after_legalize-scheduling-annotations.before_latency-hiding-scheduler.txt``. That pass is the
+   first of XLA's "latency-hiding-scheduler" pipeline; the accuracy checker and the scheduler run on
+   its output, so its names are the scheduler's names (post-scheduling passes rename some, e.g.
+   copies, so the final scheduled HLO is not a safe source). This compile is otherwise an ordinary
+   one with the same options, so it doubles as the baseline.
+2. Cost every instruction of every computation the scheduler orders (entry, while bodies and
+   conditions, called computations): compute ops by roofline; a collective's transfer time as the
+   cost of its ``*-start`` (PGLE falls back from start->done latency to the start op's cost; the
+   ``latencies`` entries of the proto are dropped by XLA's fingerprint filter); ``*-done`` left out
+   (PGLE gives start/done ops a fixed cost and never looks them up); bookkeeping ops 0; a while loop
+   its trip count times its body. Uncovered instructions would fall back to the T-shirt units read
+   as microseconds (a GEMM would become 1000 us), hence step 3's strict checker.
+3. Write ``<dir>/<fingerprint_before_lhs>.pbtxt`` (text ``ProfiledInstructionsProto``; the file must
+   end in ``.pbtxt`` or ``.pb`` or XLA silently ignores it). Every name is written as
+   ``<fingerprint>::<name>``: XLA drops entries whose prefix is not the module's fingerprint, so a
+   profile made for another module (other flags, code, jax version or target spec) cannot apply
+   half-matching names; it empties instead, and the strict checker then fails the compile.
+4. Recompile with ``xla_gpu_pgle_profile_file_or_directory_path=<file>`` and
+   ``xla_gpu_pgle_accuracy_checker=PGLE_STRICTNESS_LEVEL_ERROR``: a single instruction without a
+   cost fails the compile ("Found N missing instructions. Discarding the profile.") instead of
+   silently scheduling it with T-shirt units. A valid profile also switches LHS on by itself.
+
+Caveats: the profile and the inspector's overlap measurement use the same roofline, so "PGLE hides
+more" means "the scheduler now agrees with the inspector", not a measured speed-up. Kernel launch
+overheads and elementwise FLOPs are not in the model (hlo.py), so small ops cost ~0 us. Any change
+of flags, code, target spec or jax version renames fusions and changes the fingerprint: regenerate
+the profile for every compile (this module does; it never reuses one).
+
+Replacing the synthetic profile with a measured one (real MI300X):
+
+* Automatic: ``jax.config.update("jax_enable_pgle", True)`` with ``jax_pgle_profiling_runs=N``
+  (and ``JAX_PGLE_AGGREGATION_PERCENTILE``): JAX profiles the first N executions of each jitted
+  function and recompiles with the collected costs (JAX docs, gpu_performance_tips.md "Auto and
+  manual PGLE").
+* Manual: run a few steps under ``jax.profiler.trace(logdir)`` (or ``jax.profiler.ProfileOptions``
+  with a ``ProfileData`` capture), convert with
+  ``jax.experimental.profiler.get_profiled_instructions_proto(logdir)`` and write the proto as
+  ``<dir>/<fingerprint>.pbtxt`` (``fingerprint_before_lhs`` from a dump of the same compile, as in
+  step 1) or as one file; pass it with ``xla_gpu_pgle_profile_file_or_directory_path`` and keep
+  ``xla_gpu_pgle_accuracy_checker=PGLE_STRICTNESS_LEVEL_ERROR``. A measured profile has real
+  all-to-all times, including RCCL contention that this model ignores.
+* ROCm caveat (shared/XLA_SCHEDULING.md section 2): profile *collection* was broken on ROCm through
+  jaxlib 0.9.x (ROCm/jax#791, #788, #790: the XPlane trace lacks the annotations that
+  ``ConvertXplaneToProfiledInstructionsProto`` needs, so the converted proto comes out empty or
+  partial). Check that the converted profile names every instruction (the strict checker will) before
+  trusting it; until collection works on the installed ROCm/jaxlib, this synthetic profile is the
+  usable route, and one measured per-op table (GEMM and all-to-all microbenchmarks on the real
+  machine) can replace the roofline numbers by feeding ``profile_costs`` different HARDWARE values.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from farskip_jax.inspect import aot, hlo
+from farskip_jax.inspect.hlo_parse import HloModule, Instr, parse_hlo, shape_bytes
+
+# The first pass of XLA:GPU's "latency-hiding-scheduler" pipeline; its output is what the PGLE
+# accuracy checker and the scheduler see (xla/service/gpu/gpu_hlo_schedule.cc,
+# RunLatencyHidingSchedulerPasses).
+SCHEDULER_ENTRY_PASS = "legalize-scheduling-annotations"
+STRICT_OPTIONS = {"xla_gpu_pgle_accuracy_checker": "PGLE_STRICTNESS_LEVEL_ERROR"}
+PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
+_FINGERPRINT_RE = re.compile(r'fingerprint_before_lhs="([0-9a-f]+)"')
+
+
+class PgleError(RuntimeError):
+    """The synthetic-profile compile could not be set up or XLA rejected the profile."""
+
+
+def module_fingerprint(hlo_text: str) -> str:
+    """XLA's ``fingerprint_before_lhs`` frontend attribute of a module dumped at scheduler entry."""
+    header = hlo_text[: hlo_text.find("\n")] if "\n" in hlo_text else hlo_text
+    m = _FINGERPRINT_RE.search(header) or _FINGERPRINT_RE.search(hlo_text)
+    if m is None:
+        raise PgleError("no fingerprint_before_lhs in the module: dump it at or after scheduler entry "
+                        f"(xla_dump_hlo_pass_re={SCHEDULER_ENTRY_PASS})")
+    return m.group(1)
+
+
+def _done_of(comp: Any, mod: HloModule) -> dict[str, Instr]:
+    """start name -> its done instruction (the done's shape is the collective's result)."""
+    out = {}
+    for ins in comp.instrs:
+        ck = hlo.collective_kind(mod, ins)
+        if ck is not None and ck[1] == "done" and ins.operands:
+            out[ins.operands[0]] = ins
+    return out
+
+
+def _wrapped(mod: HloModule, ins: Instr) -> Instr | None:
+    """The op an ``async-start`` wraps (its root), or None."""
+    sub = mod.computations.get(ins.attr("calls") or "")
+    return sub.root if sub is not None else None
+
+
+def instruction_cost_us(an: Any, comp: Any, ins: Instr, done: Instr | None) -> float | None:
+    """The PGLE cost of one scheduled instruction in microseconds; None = leave it out.
+
+    ``an`` is the inspector's cost model (``hlo._Analyzer``) for the module.
+    """
+    mod, hw = an.mod, an.hw
+    ck = hlo.collective_kind(mod, ins)
+    if ck is not None:
+        kind, form = ck
+        if form == "done":
+            return None  # PGLE costs start/done ops at a fixed 1 unit and never looks them up
+        carrier = _wrapped(mod, ins) if ins.opcode == "async-start" else ins
+        carrier = carrier or ins
+        # start ops return tuples (operands, result, ...): the done's shape is the result alone
+        nbytes = shape_bytes(done.shape if done is not None else carrier.shape)
+        n = hlo.group_size(carrier, mod.num_partitions)
+        return hlo.transfer_time_us(kind, nbytes, n, hw)
+    if ins.opcode == "async-start":  # compute moved to another stream: its wrapped computation
+        return sum(an.comp_time_us(c) for c in ins.called())
+    if ins.opcode == "copy-start":  # async copy (memory spaces): read + write at HBM bandwidth
+        return hlo.instr_bytes(comp, ins) / hw["hbm_bw"] * 1e6
+    if ins.opcode in ("send", "recv"):  # one peer link, like a collective-permute
+        return hlo.transfer_time_us("collective-permute", shape_bytes(ins.shape), 2, hw)
+    if ins.opcode in ("async-done", "copy-done", "send-done", "recv-done"):
+        return None
+    return an.op_time_us(comp, ins)
+
+
+def profile_costs(hlo_text: str, target: str) -> dict[str, float]:
+    """Cost in microseconds of every instruction the scheduler orders in ``hlo_text``.
+
+    ``hlo_text`` is the module at scheduler entry (see ``scheduler_entry_hlo``); ``target`` keys
+    ``hlo.HARDWARE``. Computations: entry, while bodies/conditions, called and branch computations
+    (``hlo._Analyzer.scheduled_computations``, the inspector's own walk).
+    """
+    if target not in hlo.HARDWARE:
+        raise ValueError(f"unknown target {target!r}; known: {sorted(hlo.HARDWARE)}")
+    mod = parse_hlo(hlo_text)
+    # hlo._Analyzer is the inspector's per-op cost model (roofline per op, while = trips x body);
+    # used as is so that the scheduler and the overlap report price every op identically.
+    an = hlo._Analyzer(mod, hlo.HARDWARE[target])
+    costs: dict[str, float] = {}
+    for cname in an.scheduled_computations():
+        comp = mod.computations[cname]
+        dones = _done_of(comp, mod)
+        for ins in comp.instrs:
+            c = instruction_cost_us(an, comp, ins, dones.get(ins.name))
+            if c is not None:
+                costs[ins.name] = c
+    return costs
+
+
+def profile_text(costs: dict[str, float], fingerprint: str, comment: str = "") -> str:
+    """Text-format ``tensorflow.profiler.ProfiledInstructionsProto`` with one ``costs`` entry per op.
+
+    Names carry the ``<fingerprint>::`` prefix XLA's FilterWithFingerprint understands, so the file
+    applies to this module only.
+    """
+    lines = [f"# {line}" for line in comment.splitlines()]
+    for name, us in costs.items():
+        lines.append(f'costs {{ name: "{fingerprint}::{name}" cost_us: {us:.6g} }}')
+    return "\n".join(lines) + "\n"
+
+
+def write_profile(hlo_text: str, target: str, directory: str | Path | None = None) -> str:
+    """Cost ``hlo_text`` (module at scheduler entry) for ``target`` and write
+    ``<directory>/<fingerprint>.pbtxt``; returns that path. ``directory`` defaults to a new
+    temporary directory (kept: the caller passes the file to the next compile)."""
+    fingerprint = module_fingerprint(hlo_text)
+    costs = profile_costs(hlo_text, target)
+    d = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix="farskip_pgle_"))
+    d.mkdir(parents=True, exist_ok=True)
+    name = parse_hlo(hlo_text).name
+    comment = (f"synthetic PGLE profile (farskip_jax.inspect.pgle), target {target}, module {name}\n"
+               f"fingerprint_before_lhs {fingerprint}, {len(costs)} instructions, roofline + link model")
+    path = d / f"{fingerprint}.pbtxt"
+    path.write_text(profile_text(costs, fingerprint, comment))
+    return str(path)
+
+
+def scheduler_entry_hlo(jitted_fn: Any, *arg_specs: Any, target: str,
+                        compiler_options: dict[str, Any] | None = None, default_options: bool = True,
+                        dump_lhs_schedule: bool = False) -> tuple[aot.CompiledArtifacts, str]:
+    """Compile ``jitted_fn`` once (an ordinary compile: same options, same schedule) and return it
+    with the module text as the latency-hiding scheduler received it."""
+    with tempfile.TemporaryDirectory(prefix="farskip_pgle_dump_") as dump:
+        opts = dict(compiler_options or {})
+        opts.update({"xla_dump_to": dump, "xla_dump_hlo_pass_re": SCHEDULER_ENTRY_PASS})
+        art = aot.compile_scheduled_hlo(jitted_fn, *arg_specs, target=target, compiler_options=opts,
+                                        default_options=default_options,
+                                        dump_lhs_schedule=dump_lhs_schedule, dump_dir=dump)
+        files = sorted(glob.glob(os.path.join(dump, f"*after_{SCHEDULER_ENTRY_PASS}*.txt")),
+                       key=os.path.getmtime)
+        if not files:
+            raise PgleError(f"XLA wrote no dump after {SCHEDULER_ENTRY_PASS} (is the latency-hiding "
+                            "scheduler enabled? it runs only with xla_gpu_enable_latency_hiding_scheduler"
+                            "=true on ROCm); dump dir had: " + ", ".join(sorted(os.listdir(dump))[:20]))
+        text = Path(files[-1]).read_text()
+    art.compiler_options.pop("xla_dump_hlo_pass_re", None)
+    return art, text
+
+
+@dataclass
+class PgleCompile:
+    """Result of ``compile_with_synthetic_pgle``."""
+
+    artifacts: aot.CompiledArtifacts  # the compile that used the profile
+    profile_path: str
+    baseline: aot.CompiledArtifacts  # the dump compile: same options without the profile
+    fingerprint: str
+    num_costs: int
+
+
+def compile_with_synthetic_pgle(jitted_fn: Any, *arg_specs: Any, target: str,
+                                compiler_options: dict[str, Any] | None = None,
+                                default_options: bool = True, profile_dir: str | Path | None = None,
+                                dump_lhs_schedule: bool = False) -> PgleCompile:
+    """Compile ``jitted_fn`` for ``target`` twice: once to dump the scheduler's input (kept as the
+    baseline), then with a synthetic PGLE profile of it and the strict accuracy checker.
+
+    Options are those of ``aot.compile_scheduled_hlo`` (``default_options`` adds the target's flag
+    table; ``compiler_options`` wins). Raises ``PgleError`` when XLA rejects the profile (a missing
+    instruction under the strict checker): that means the second compile's module differs from the
+    first, which the caller must not paper over.
+    """
+    if target not in ("h200", "mi300x"):
+        raise ValueError(f"synthetic PGLE needs a deviceless GPU target ('h200' or 'mi300x'), got {target!r}")
+    base_opts = dict(compiler_options or {})
+    baseline, entry_text = scheduler_entry_hlo(jitted_fn, *arg_specs, target=target,
+                                               compiler_options=base_opts, default_options=default_options,
+                                               dump_lhs_schedule=dump_lhs_schedule)
+    path = write_profile(entry_text, target, profile_dir)
+    opts = dict(base_opts, **STRICT_OPTIONS)
+    opts[PROFILE_OPTION] = path
+    try:
+        art = aot.compile_scheduled_hlo(jitted_fn, *arg_specs, target=target, compiler_options=opts,
+                                        default_options=default_options,
+                                        dump_lhs_schedule=dump_lhs_schedule)
+    except Exception as e:  # XlaRuntimeError or JaxRuntimeError, depending on the jaxlib version
+        if "missing instructions" in str(e) or "PGLE" in str(e):
+            raise PgleError(f"XLA rejected the synthetic PGLE profile {path}: {e}") from e
+        raise
+    return PgleCompile(art, path, baseline, module_fingerprint(entry_text),
+                       sum(1 for ln in Path(path).read_text().splitlines() if ln.startswith("costs")))
