@@ -4,7 +4,8 @@ Compiles (never runs) the vjp of `attention_core` on abstract DeepSeek-V2-Lite s
 q/k head dim 192, v head dim 128, bf16, one sequence, causal + segment ids) and reads
 ``compiled.memory_analysis().temp_size_in_bytes``: the scratch XLA allocates beyond inputs and
 outputs, where the reference keeps its [H, T, T] fp32 scores and probabilities. Nothing is
-allocated, so 32k tokens compiles on any CPU.
+allocated, so 32k tokens compiles on any CPU. `--target h200` compiles for a deviceless H200
+instead (needs the jax-cuda13 plugin wheels, see farskip_jax/inspect/aot.py).
 
     JAX_PLATFORMS=cpu .venv/bin/python bench/attention_memory.py [--tokens 1024 4096 8192 32768]
 """
@@ -20,8 +21,8 @@ import jax.numpy as jnp
 from farskip_jax.model.attention import attention_core
 
 
-def temp_bytes(impl: str, t: int, heads: int, qk_dim: int, v_dim: int, dtype: str,
-               block: int) -> tuple[int, float]:
+def temp_bytes(impl: str, t: int, heads: int, qk_dim: int, v_dim: int, dtype: str, block: int,
+               sharding: jax.sharding.Sharding | None = None) -> tuple[int, float]:
     """Compiled temp bytes of (q, k, v, d_out) -> (dq, dk, dv) for one attention core; compile seconds."""
     def core(q, k, v, seg):
         return attention_core(q, k, v, seg, qk_dim ** -0.5, impl, block, block)
@@ -30,9 +31,9 @@ def temp_bytes(impl: str, t: int, heads: int, qk_dim: int, v_dim: int, dtype: st
         _, vjp = jax.vjp(lambda q, k, v: core(q, k, v, seg), q, k, v)
         return vjp(d_out)
 
-    qk = jax.ShapeDtypeStruct((1, t, heads, qk_dim), dtype)
-    v = jax.ShapeDtypeStruct((1, t, heads, v_dim), dtype)
-    seg = jax.ShapeDtypeStruct((1, t), jnp.int32)
+    qk = jax.ShapeDtypeStruct((1, t, heads, qk_dim), dtype, sharding=sharding)
+    v = jax.ShapeDtypeStruct((1, t, heads, v_dim), dtype, sharding=sharding)
+    seg = jax.ShapeDtypeStruct((1, t), jnp.int32, sharding=sharding)
     t0 = time.perf_counter()
     compiled = jax.jit(fwd_bwd).lower(qk, qk, v, seg, v).compile()
     return int(compiled.memory_analysis().temp_size_in_bytes), time.perf_counter() - t0
@@ -46,15 +47,23 @@ def main() -> None:
     ap.add_argument("--v-dim", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--block", type=int, default=512, help="attention_block_q = attention_block_kv")
+    ap.add_argument("--target", default="cpu", choices=["cpu", "h200"])
     args = ap.parse_args()
+    sharding = None
+    if args.target != "cpu":
+        from farskip_jax.inspect import aot
+
+        mesh = aot.make_target_mesh(args.target, {"tensor": 1})
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     print(f"MLA attention core fwd+bwd, 1 sequence, {args.heads} heads, qk {args.qk_dim} / v {args.v_dim}, "
-          f"{args.dtype}, block {args.block}, backend {jax.default_backend()}")
+          f"{args.dtype}, block {args.block}, target {args.target}")
     print(f"{'tokens':>7} | {'reference temp':>15} | {'blockwise temp':>15} | {'ratio':>7} | "
           "compile s (ref / blk)")
     for t in args.tokens:
-        ref, ref_s = temp_bytes("reference", t, args.heads, args.qk_dim, args.v_dim, args.dtype, args.block)
-        blk, blk_s = temp_bytes("blockwise", t, args.heads, args.qk_dim, args.v_dim, args.dtype, args.block)
+        shape = (t, args.heads, args.qk_dim, args.v_dim, args.dtype, args.block, sharding)
+        ref, ref_s = temp_bytes("reference", *shape)
+        blk, blk_s = temp_bytes("blockwise", *shape)
         print(f"{t:>7} | {ref / 2**20:>11.1f} MiB | {blk / 2**20:>11.1f} MiB | {ref / blk:>6.1f}x | "
               f"{ref_s:.1f} / {blk_s:.1f}", flush=True)
 
