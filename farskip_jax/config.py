@@ -229,7 +229,7 @@ class ModelConfig:
             raise ConfigError(f"config.json hidden_act={hf['hidden_act']!r}: only 'silu' is supported")
         if hf.get("attention_bias") or hf.get("mlp_bias"):
             raise ConfigError("config.json attention_bias/mlp_bias=true is not supported by DeepSeek-V2")
-        merged = _apply_overrides(_to_dict(cls(**kw)), overrides, prefix="model")
+        merged = apply_overrides(_to_dict(cls(**kw)), overrides, prefix="model")
         return from_dict(cls, merged, "model")
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -480,7 +480,9 @@ def _parse_scalar(text: str) -> Any:
 _EXP_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
-def _apply_overrides(base: dict[str, Any], overrides: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def apply_overrides(base: dict[str, Any], overrides: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A deep copy of the plain dict `base` with dotted `overrides` ({"farskip.enabled": True}) set;
+    an override below a key that is not a section raises ConfigError naming `prefix.key`."""
     out = json.loads(json.dumps(base))  # deep copy of plain data
     for dotted, value in overrides.items():
         parts = dotted.split(".")
@@ -495,6 +497,14 @@ def _apply_overrides(base: dict[str, Any], overrides: Mapping[str, Any], prefix:
             node = node[part]
         node[parts[-1]] = value
     return out
+
+
+def override(obj: Any, overrides: Mapping[str, Any], prefix: str) -> Any:
+    """The config dataclass `obj` with dotted `overrides` applied and validated, e.g.
+    `override(model_cfg, {"farskip.enabled": True}, "model")`; `prefix` names the section in errors."""
+    if not overrides:
+        return obj
+    return from_dict(type(obj), apply_overrides(to_dict(obj), overrides, prefix), prefix)
 
 
 def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
@@ -548,7 +558,7 @@ def load_config(name_or_path: str, overrides: Mapping[str, Any] | None = None) -
     tree = _load_yaml_tree(path)
     tree.setdefault("name", path.stem)
     base = _to_dict(from_dict(Config, tree))
-    merged = _apply_overrides(base, overrides or {})
+    merged = apply_overrides(base, overrides or {})
     cfg = from_dict(Config, merged)
     cfg.validate()
     return cfg

@@ -1,4 +1,4 @@
-"""HF DeepSeek-V2 -> Orbax conversion, streamed one layer at a time, and restore into shardings.
+"""HF DeepSeek-V2 -> Orbax conversion, streamed one layer at a time (reading it back: `orbax_io`).
 
 Layout of a converted directory (detected by `farskip_checkpoint.json`):
 
@@ -15,8 +15,8 @@ it, so a single checkpoint of the whole tree would need every array in host memo
 maxtext "1.4 TB to convert Llama 70B" failure). One save per layer (per stacked expert array for
 MoE layers) bounds host memory by about 3 x the largest group (our array, TensorStore's encode
 copy and the buffered OCDBT data file; measured in bench/convert_rss.py), while every group stays a
-plain Orbax checkpoint that `restore_params` reads with `jax.ShapeDtypeStruct` targets carrying the
-wanted `NamedSharding`, so each device reads only its slice and the restore is topology-agnostic.
+plain Orbax checkpoint that `orbax_io.restore_params` reads with `jax.ShapeDtypeStruct` targets
+carrying the wanted `NamedSharding`, so each device reads only its slice and the restore is topology-agnostic.
 Leaves are numpy arrays (no JAX device is involved while converting, so nothing is replicated over
 simulated devices), and routed-expert arrays are chunked one expert per chunk (`shard_axes=(0,)`),
 so an expert-parallel restore of any EP size that divides E reads exactly its own experts.
@@ -40,19 +40,17 @@ from typing import Any
 
 import numpy as np
 
+from farskip_jax.checkpoint.common import nest_set, raise_problems
 from farskip_jax.checkpoint.hf_io import CheckpointError, TensorSource, np_dtype
 from farskip_jax.checkpoint.hf_keys import ParamSpec, hf_key_index, param_specs
-from farskip_jax.config import ConfigError, ModelConfig, _apply_overrides, from_dict, to_dict
+from farskip_jax.checkpoint.hf_load import config_from_dir
+from farskip_jax.checkpoint.orbax_io import FORMAT, MARKER, MODEL_CONFIG, VERSION
+from farskip_jax.config import ConfigError, ModelConfig, override, to_dict
 
-MARKER = "farskip_checkpoint.json"
-MODEL_CONFIG = "model_config.json"
-FORMAT = "farskip-orbax-params"
-VERSION = 1
 # Test hook: seconds to sleep after the first group is written (to SIGKILL a conversion mid-write).
 TEST_PAUSE_ENV = "FARSKIP_CONVERT_TEST_PAUSE_S"
 DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
 _TMP_TAG = ".farskip-tmp-"
-_MAX_LISTED = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,28 +92,6 @@ def is_stacked(spec: ParamSpec) -> bool:
     return len(spec.hf_keys) > 1
 
 
-def nest_set(tree: dict, path: tuple, value: Any) -> None:
-    node = tree
-    for p in path[:-1]:
-        node = node.setdefault(p, {})
-    node[path[-1]] = value
-
-
-def nest_get(tree: Any, path: tuple) -> Any:
-    for p in path:
-        tree = tree[p]
-    return tree
-
-
-def deep_merge(into: dict, other: dict) -> dict:
-    for k, v in other.items():
-        if isinstance(v, dict) and isinstance(into.get(k), dict):
-            deep_merge(into[k], v)
-        else:
-            into[k] = v
-    return into
-
-
 def parse_dtype(name: str | None) -> str | None:
     if name is None:
         return None
@@ -152,19 +128,6 @@ def farskip_overrides(farskip: str | None, farskip_range: str | None) -> dict[st
         ov["farskip.start_idx"] = int(m.group(1)) if m.group(1) else None
         ov["farskip.end_idx"] = int(m.group(2)) if m.group(2) else None
     return ov
-
-
-def apply_overrides(cfg: ModelConfig, overrides: dict[str, Any]) -> ModelConfig:
-    if not overrides:
-        return cfg
-    return from_dict(ModelConfig, _apply_overrides(to_dict(cfg), overrides, "model"), "model")
-
-
-def _raise_problems(what: str, problems: list[str]) -> None:
-    if problems:
-        listed = "\n  - ".join(problems[:_MAX_LISTED])
-        more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
-        raise CheckpointError(f"{len(problems)} problem(s) in {what}:\n  - {listed}{more}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -367,17 +330,15 @@ def convert_hf_to_orbax(input_dir: str | Path, output_dir: str | Path, *, dtype:
     """Validates an HF DeepSeek-V2 directory, then writes it as a farskip Orbax checkpoint."""
     import orbax.checkpoint as ocp
 
-    from farskip_jax.checkpoint.hf_load import config_from_dir
-
     src, out = Path(input_dir), Path(output_dir)
     base_cfg = config_from_dir(src)
     source = TensorSource(src)
     specs = param_specs(base_cfg)
-    _raise_problems(f"HF checkpoint {src}", source_errors(source, base_cfg, specs))
+    raise_problems(f"HF checkpoint {src}", source_errors(source, base_cfg, specs))
     dtype = resolve_dtype(source, specs, parse_dtype(dtype))
-    cfg = apply_overrides(base_cfg, {**(overrides or {}), "param_dtype": dtype})
+    cfg = override(base_cfg, {**(overrides or {}), "param_dtype": dtype}, "model")
     check_mesh(mesh or {}, cfg)
-    _raise_problems("the output", output_errors(out, overwrite, [src]))
+    raise_problems("the output", output_errors(out, overwrite, [src]))
     groups = group_specs(specs)
     itemsize = np_dtype(dtype).itemsize
     summary = Summary(tensors=sum(len(s.hf_keys) for s in specs),
@@ -421,123 +382,3 @@ def convert_hf_to_orbax(input_dir: str | Path, output_dir: str | Path, *, dtype:
     summary.bytes, summary.seconds = total, time.perf_counter() - t0
     log(summary.line(f"wrote {out}:"))
     return summary
-
-
-# --------------------------------------------------------------------------------------------
-# Restore
-
-
-def is_orbax_checkpoint(path: str | Path) -> bool:
-    return (Path(path) / MARKER).is_file()
-
-
-def read_marker(path: str | Path) -> dict:
-    f = Path(path) / MARKER
-    if not f.is_file():
-        raise CheckpointError(f"{path}: no {MARKER}; not a complete farskip Orbax checkpoint (an "
-                              "interrupted conversion leaves none)")
-    marker = json.loads(f.read_text())
-    if marker.get("format") != FORMAT or marker.get("version") != VERSION:
-        raise CheckpointError(f"{f}: format {marker.get('format')!r} version {marker.get('version')!r}; "
-                              f"expected {FORMAT!r} version {VERSION}")
-    return marker
-
-
-def load_model_config(path: str | Path, **overrides: Any) -> ModelConfig:
-    f = Path(path) / MODEL_CONFIG
-    if not f.is_file():
-        raise CheckpointError(f"{path}: no {MODEL_CONFIG}")
-    base = from_dict(ModelConfig, json.loads(f.read_text()), "model")
-    return apply_overrides(base, overrides)
-
-
-def mesh_shardings(cfg: ModelConfig, mesh: Any) -> dict:
-    """NamedShardings for every parameter from the project's one table (`parallel.mesh`, EP layout):
-    routed experts split on their leading axis over mesh axis 'expert', everything else replicated."""
-    import jax
-
-    from farskip_jax.parallel.mesh import param_shardings
-
-    ep = dict(mesh.shape).get("expert", 1)
-    if cfg.n_routed_experts % ep:
-        raise ConfigError(f"mesh axis expert={ep} does not divide n_routed_experts={cfg.n_routed_experts}")
-    abstract: dict = {}
-    for s in param_specs(cfg):
-        nest_set(abstract, s.path, jax.ShapeDtypeStruct(s.shape, np.float32))
-    return param_shardings(abstract, mesh)
-
-
-def _sharding_fn(shardings: Any, cfg: ModelConfig) -> Callable[[tuple], Any]:
-    import jax
-    from jax.sharding import Mesh
-
-    if shardings is None:
-        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        return lambda path: one
-    if isinstance(shardings, Mesh):
-        shardings = mesh_shardings(cfg, shardings)
-    if callable(shardings):
-        return shardings
-    return lambda path: nest_get(shardings, path)
-
-
-def check_marker_params(path: Path, marker: dict, cfg: ModelConfig) -> None:
-    saved = {tuple(p["path"]): tuple(p["shape"]) for g in marker["groups"] for p in g["params"]}
-    problems = []
-    for s in param_specs(cfg):
-        if s.path not in saved:
-            problems.append(f"{path}: parameter {s.name} is not in the checkpoint")
-        elif saved[s.path] != s.shape:
-            problems.append(f"{path}: parameter {s.name} has shape {list(saved[s.path])}, the config "
-                            f"needs {list(s.shape)}")
-    names = {s.path for s in param_specs(cfg)}
-    problems += [f"{path}: checkpoint parameter {'/'.join(map(str, p))} is not in the config"
-                 for p in saved if p not in names]
-    _raise_problems(f"Orbax checkpoint {path}", problems)
-
-
-def restore_group(path: Path, group: dict, dtype: Any, sharding_fn: Callable[[tuple], Any] | None) -> dict:
-    """One group as a nested dict; numpy arrays when `sharding_fn` is None, else sharded jax.Arrays."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    target: dict = {}
-    for p in group["params"]:
-        pth = tuple(p["path"])
-        sharding = sharding_fn(pth) if sharding_fn is not None else None
-        nest_set(target, pth, jax.ShapeDtypeStruct(tuple(p["shape"]), dtype, sharding=sharding))
-    ckptr = ocp.Checkpointer(ocp.StandardCheckpointHandler())
-    return ckptr.restore(path / group["dir"], args=ocp.args.StandardRestore(target))
-
-
-def restore_params(path: str | Path, cfg: ModelConfig, shardings: Any = None) -> dict:
-    """The parameter pure dict of a converted checkpoint, restored straight into `shardings`.
-
-    `shardings`: None (the first device), a `jax.sharding.Mesh` (`mesh_shardings`), a pure
-    dict of shardings like the parameter tree, or a callable path -> sharding. Arrays are cast to
-    `cfg.param_dtype` while reading; no array is gathered on one host.
-    """
-    from farskip_jax.model.layers import DTYPES
-
-    path = Path(path)
-    marker = read_marker(path)
-    check_marker_params(path, marker, cfg)
-    fn = _sharding_fn(shardings, cfg)
-    out: dict = {}
-    for group in marker["groups"]:
-        deep_merge(out, restore_group(path, group, DTYPES[cfg.param_dtype], fn))
-    return out
-
-
-def load_model(path: str | Path, mesh: Any = None, **overrides: Any):
-    """A `Transformer` from a converted directory (what `from_pretrained` calls for one)."""
-    from flax import nnx
-
-    from farskip_jax.model.transformer import Transformer
-
-    cfg = load_model_config(path, **overrides)
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    params = restore_params(path, cfg, mesh)
-    nnx.replace_by_pure_dict(state, params)
-    return nnx.merge(graphdef, state)

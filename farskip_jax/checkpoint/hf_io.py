@@ -16,9 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
+from farskip_jax.errors import UserError
 
-class CheckpointError(ValueError):
-    """A checkpoint is missing, malformed or does not match the config; names file and tensor."""
+
+class CheckpointError(UserError, ValueError):
+    """A checkpoint is missing, malformed or does not match the config; names file and tensor.
+
+    A UserError, so the CLIs print it as one line; a ValueError for callers that catch those."""
 
 
 # safetensors dtype tags -> numpy dtype names (bfloat16 comes from ml_dtypes).

@@ -1,20 +1,36 @@
-"""`from_pretrained`: an HF DeepSeek-V2 directory into our NNX model, validated tensor by tensor."""
+"""Parameters from any checkpoint, placed into their mesh shardings from the first byte.
+
+`load_params(path, cfg, shardings, dtype)` is the one entry point: an HF directory
+(safetensors or pytorch_model*.bin), a converted Orbax directory, or a trainer checkpoint. Every
+array is created on its devices directly: HF tensors through `jax.make_array_from_callback`, whose
+callback for a device reads only that device's slice from disk (a routed-expert stack [E, ...]
+split over 'expert' reads only the experts [e0:e1] the device owns, each an HF tensor of its own),
+cast to `dtype` on the host slice; Orbax checkpoints through `orbax_io`'s sharded restore. A
+replicated tensor is read once per process and handed to each local device. No whole-model host
+tree exists and nothing is staged on one device.
+
+Reads go through `hf_io.TensorSource`: one seek + read of a tensor's byte range in a safetensors
+file (safetensors' own `get_slice` cannot return bfloat16 to numpy). A `.bin` file is host-staged:
+torch.load (memory-mapped) keeps one whole file at a time.
+
+`from_pretrained` is this loader for one device (or a mesh) plus the model around the parameters.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from farskip_jax.checkpoint import orbax_io
+from farskip_jax.checkpoint.common import model_shardings, nest_set
 from farskip_jax.checkpoint.hf_io import CheckpointError, TensorSource
 from farskip_jax.checkpoint.hf_keys import ParamSpec, hf_key_index, param_specs
-from farskip_jax.config import ModelConfig, _apply_overrides, from_dict, to_dict
+from farskip_jax.config import ModelConfig, override
 from farskip_jax.model.layers import DTYPES
 from farskip_jax.model.transformer import Transformer
 
@@ -23,10 +39,7 @@ def config_from_dir(path: str | Path, **overrides: Any) -> ModelConfig:
     cfg_file = Path(path) / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(f"{path}: no config.json")
-    base = ModelConfig.from_hf_dict(json.loads(cfg_file.read_text()))
-    if not overrides:
-        return base
-    return from_dict(ModelConfig, _apply_overrides(to_dict(base), overrides, "model"), "model")
+    return override(ModelConfig.from_hf_dict(json.loads(cfg_file.read_text())), overrides, "model")
 
 
 def check_tensors(source: TensorSource, specs: list[ParamSpec]) -> None:
@@ -49,54 +62,95 @@ def check_tensors(source: TensorSource, specs: list[ParamSpec]) -> None:
                                   f"expected {list(spec.hf_shape)} for the config")
 
 
-def read_param(source: TensorSource, spec: ParamSpec) -> np.ndarray:
-    """Reads and transforms one parameter (a layer's stacked experts at most)."""
-    arr = spec.to_ours([source.read(k) for k in spec.hf_keys])
-    if arr.shape != spec.shape:
-        raise CheckpointError(f"parameter {spec.name}: built shape {arr.shape} != {spec.shape}")
-    return arr
+def _bounds(index: tuple, shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """A device's index (slices, possibly open) as explicit [start, stop) slices of every axis."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
 
 
-def set_path(state: Any, path: tuple, value: Any) -> None:
-    node = state
-    for p in path[:-1]:
-        node = node[p]
-    node[path[-1]] = value
+def hf_array(source: TensorSource, spec: ParamSpec, sharding: jax.sharding.Sharding, dtype: Any) -> jax.Array:
+    """One parameter as a jax.Array in `sharding` and `dtype`, each device's slice read on its own.
+
+    Stacked experts: the callback for the expert range [e0:e1] reads exactly those HF tensors.
+    Any other parameter is one HF tensor that the layout transform (transpose / head split) turns
+    into ours; it is read once per call of this function and sliced per device.
+    """
+    np_dt = np.dtype(dtype)
+    whole: dict[str, np.ndarray] = {}
+
+    def read(index: tuple) -> np.ndarray:
+        idx = _bounds(index, spec.shape)
+        if len(spec.hf_keys) > 1:
+            e = idx[0]
+            experts = [spec.to_ours([source.read(k)])[0] for k in spec.hf_keys[e.start:e.stop]]
+            arr = np.stack(experts)[(slice(None),) + idx[1:]]
+            return np.ascontiguousarray(arr, dtype=np_dt)
+        if "arr" not in whole:
+            arr = spec.to_ours([source.read(spec.hf_keys[0])])
+            if arr.shape != spec.shape:
+                raise CheckpointError(f"parameter {spec.name}: built shape {arr.shape} != {spec.shape}")
+            whole["arr"] = np.asarray(arr, dtype=np_dt)
+        return np.ascontiguousarray(whole["arr"][idx])
+
+    return jax.make_array_from_callback(spec.shape, sharding, read, dtype=np_dt)
+
+
+def read_hf_params(path: str | Path, cfg: ModelConfig, shardings: Any, dtype: Any) -> dict:
+    """Every parameter of `cfg` from the HF directory `path` as a pure dict of sharded jax.Arrays."""
+    source = TensorSource(path)
+    specs = param_specs(cfg)
+    check_tensors(source, specs)
+    fn = orbax_io.sharding_fn(shardings, cfg)
+    out: dict = {}
+    for spec in specs:
+        nest_set(out, spec.path, hf_array(source, spec, fn(spec.path), dtype))
+    return out
+
+
+def load_params(path: str | Path, cfg: ModelConfig, shardings: Any, dtype: Any) -> dict:
+    """The parameters of `cfg` from an HF dir, a converted Orbax dir, or a trainer checkpoint (a step
+    directory or a run's checkpoints/ directory: its newest step), as a pure dict of jax.Arrays in
+    `shardings` (a pure dict of shardings, a Mesh, or None for the first device) and `dtype`."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"checkpoint {p} does not exist; give an HF directory (config.json + "
+                              "weights), a convert_torch_ckpt.py output or a training checkpoint")
+    if orbax_io.is_orbax_checkpoint(p):
+        return orbax_io.restore_params(p, cfg, shardings, dtype)
+    if (p / "config.json").exists():
+        return read_hf_params(p, cfg, shardings, dtype)
+    step_dir = orbax_io.trainer_step_dir(p)
+    if step_dir is None:
+        raise CheckpointError(f"{p}: neither an HF directory (config.json), a converted Orbax checkpoint "
+                              f"({orbax_io.MARKER}) nor a training checkpoint (a 'params' item or step "
+                              "directories holding one)")
+    fn = orbax_io.sharding_fn(shardings, cfg)
+    target: dict = {}
+    for spec in param_specs(cfg):
+        nest_set(target, spec.path, jax.ShapeDtypeStruct(spec.shape, dtype, sharding=fn(spec.path)))
+    return orbax_io.restore_trainer_params(step_dir, target)
 
 
 def from_pretrained(path: str | Path, *, mesh: jax.sharding.Mesh | None = None,
                     **overrides: Any) -> Transformer:
-    """Loads `config.json` + safetensors (or .bin) weights into a `Transformer`.
+    """A `Transformer` from an HF directory (config.json + safetensors or .bin) or a directory written
+    by `convert_torch_ckpt.py` (marker `farskip_checkpoint.json`), through `load_params`.
 
-    A directory written by `convert_torch_ckpt.py` (marker `farskip_checkpoint.json`) is restored
-    from Orbax instead. With `mesh`, routed experts are split over its 'expert' axis and the rest
-    replicated, each parameter placed directly into its sharding.
+    Without `mesh` every parameter lands on the first device; with `mesh`, routed experts are split
+    over its 'expert' axis and the rest replicated, each device reading only its slice.
     Overrides are dotted ModelConfig keys: `from_pretrained(d, **{"farskip.enabled": True})`.
     """
-    from farskip_jax.checkpoint import convert
-
-    if convert.is_orbax_checkpoint(path):
-        return convert.load_model(path, mesh=mesh, **overrides)
-    cfg = config_from_dir(path, **overrides)
-    source = TensorSource(path)
-    specs = param_specs(cfg)
-    check_tensors(source, specs)
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    pure = nnx.to_pure_dict(state)
-    pdtype = DTYPES[cfg.param_dtype]
-    shardings = convert.mesh_shardings(cfg, mesh) if mesh is not None else None
-    for spec in specs:
-        arr = np.asarray(read_param(source, spec)).astype(pdtype)
-        value = jax.device_put(arr, convert.nest_get(shardings, spec.path)) if shardings else jnp.asarray(arr)
-        set_path(pure, spec.path, value)
-    nnx.replace_by_pure_dict(state, pure)
+    if orbax_io.is_orbax_checkpoint(path):
+        cfg = orbax_io.load_model_config(path, **overrides)
+    else:
+        cfg = config_from_dir(path, **overrides)
+    shardings = model_shardings(cfg, mesh) if mesh is not None else None
+    params = load_params(path, cfg, shardings, DTYPES[cfg.param_dtype])
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
+    nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)
-
-
-def model_config_replace(cfg: ModelConfig, **kw: Any) -> ModelConfig:
-    return dataclasses.replace(cfg, **kw)
 
 
 def param_count(model: Transformer) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+

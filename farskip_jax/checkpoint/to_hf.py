@@ -24,29 +24,30 @@ from typing import Any
 
 import numpy as np
 
+from farskip_jax.checkpoint.common import nest_get, nest_set, raise_problems
 from farskip_jax.checkpoint.convert import (
-    MARKER,
     Group,
     Summary,
-    _raise_problems,
-    apply_overrides,
     atomic_output_dir,
-    check_marker_params,
     group_specs,
     hf_key_label,
-    is_orbax_checkpoint,
-    load_model_config,
-    nest_get,
-    nest_set,
     output_errors,
     parse_dtype,
     progress_bar,
-    read_marker,
-    restore_group,
 )
 from farskip_jax.checkpoint.hf_io import CheckpointError, np_dtype
 from farskip_jax.checkpoint.hf_keys import ParamSpec, param_specs
-from farskip_jax.config import ConfigError, ModelConfig, from_dict
+from farskip_jax.checkpoint.orbax_io import (
+    MARKER,
+    check_marker_params,
+    is_orbax_checkpoint,
+    is_trainer_step,
+    load_model_config,
+    read_marker,
+    restore_group,
+    restore_tree,
+)
+from farskip_jax.config import ConfigError, ModelConfig, from_dict, override
 
 ST_TAGS = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 INDEX = "model.safetensors.index.json"
@@ -80,7 +81,7 @@ class ParamsReader:
             self.stored_dtype = marker["dtype"]
         elif is_trainer_step(self.path):
             self.kind = "training checkpoint"
-            self.cfg = apply_overrides(trainer_model_config(self.path), overrides)
+            self.cfg = override(trainer_model_config(self.path), overrides, "model")
             self.stored_dtype = self._trainer_dtype()
         else:
             raise CheckpointError(f"{self.path}: neither a converted checkpoint ({MARKER}) nor a training "
@@ -103,7 +104,7 @@ class ParamsReader:
                 problems.append(f"{self.path / 'params'}: parameter {s.name} has shape "
                                 f"{list(leaf.shape)}, the config needs {list(s.shape)}")
             dtypes.add(np.dtype(leaf.dtype).name)
-        _raise_problems(f"training checkpoint {self.path}", problems)
+        raise_problems(f"training checkpoint {self.path}", problems)
         if len(dtypes) != 1:
             raise CheckpointError(f"{self.path / 'params'}: mixed parameter dtypes {sorted(dtypes)}")
         return dtypes.pop()
@@ -112,19 +113,11 @@ class ParamsReader:
         if self.kind == "converted":
             return restore_group(self.path, self._groups[group.name], np_dtype(self.stored_dtype), None)
         import jax
-        import orbax.checkpoint as ocp
 
         target: dict = {}
         for s in group.specs:
             nest_set(target, s.path, jax.ShapeDtypeStruct(s.shape, np_dtype(self.stored_dtype)))
-        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
-        ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
-        return ckptr.restore(self.path / "params", args=ocp.args.PyTreeRestore(
-            item=target, restore_args=restore_args, partial_restore=True))
-
-
-def is_trainer_step(path: Path) -> bool:
-    return (path / "params").is_dir() and (path / "meta").is_dir()
+        return restore_tree(self.path / "params", target, partial=True)
 
 
 def trainer_model_config(step_dir: Path) -> ModelConfig:
@@ -209,8 +202,8 @@ def convert_orbax_to_hf(input_dir: str | Path, output_dir: str | Path, *, dtype:
     out_dtype = parse_dtype(dtype) or reader.stored_dtype
     if out_dtype not in ST_TAGS:
         raise CheckpointError(f"{src}: stored dtype {out_dtype}; pass --dtype bf16 or fp32")
-    cfg = apply_overrides(reader.cfg, {"param_dtype": "bfloat16" if out_dtype == "bfloat16" else "float32"})
-    _raise_problems("the output", output_errors(out, overwrite, [src]))
+    cfg = override(reader.cfg, {"param_dtype": "bfloat16" if out_dtype == "bfloat16" else "float32"}, "model")
+    raise_problems("the output", output_errors(out, overwrite, [src]))
     specs = param_specs(cfg)
     groups = group_specs(specs)
     itemsize = np_dtype(out_dtype).itemsize

@@ -21,8 +21,9 @@ transformers = pytest.importorskip("transformers")
 
 from convert_torch_ckpt import main as cli  # noqa: E402
 from farskip_jax import from_pretrained  # noqa: E402
-from farskip_jax.checkpoint.convert import MARKER, TEST_PAUSE_ENV, load_model_config  # noqa: E402
+from farskip_jax.checkpoint.convert import TEST_PAUSE_ENV  # noqa: E402
 from farskip_jax.checkpoint.hf_io import CheckpointError, TensorSource  # noqa: E402
+from farskip_jax.checkpoint.orbax_io import MARKER, load_model_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 E = 8
@@ -195,7 +196,7 @@ def test_training_checkpoint_to_hf(orbax_dir, hf_dir, tmp_path):
     """Assumed trainer layout: CheckpointManager items params (pure dict), opt_state, meta (JSON)."""
     import orbax.checkpoint as ocp
 
-    from farskip_jax.checkpoint.convert import restore_params
+    from farskip_jax.checkpoint.orbax_io import restore_params
     from farskip_jax.config import to_dict
 
     cfg = load_model_config(orbax_dir)

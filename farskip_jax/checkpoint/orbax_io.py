@@ -1,0 +1,176 @@
+"""Reading Orbax parameter checkpoints straight into their target shardings: the one home of the
+sharded restore, for converted checkpoints (`convert.py` writes them) and trainer checkpoints.
+
+Every restore passes `jax.ShapeDtypeStruct` targets carrying the wanted `NamedSharding` and dtype
+(Orbax `ArrayRestoreArgs`), so TensorStore reads on each host only the chunks of the slices its
+devices own, casts them while reading, and no array is ever gathered on one device or host.
+Targets without a sharding restore as numpy arrays (the Orbax -> HF converter streams those).
+
+Layout of a converted directory (detected by `farskip_checkpoint.json`, see `convert.py`):
+OUT/farskip_checkpoint.json (marker: format, dtype, parameter groups), OUT/model_config.json,
+OUT/config.json, OUT/params/<group>/ (one Orbax PyTree per group).
+A trainer checkpoint: RUN/checkpoints/STEP/{params,opt_state,meta}, "params" being the student's
+parameter pure dict.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from farskip_jax.checkpoint.common import deep_merge, model_shardings, nest_get, nest_set, raise_problems
+from farskip_jax.checkpoint.hf_io import CheckpointError
+from farskip_jax.checkpoint.hf_keys import param_specs
+from farskip_jax.config import ModelConfig, from_dict, override
+
+MARKER = "farskip_checkpoint.json"
+MODEL_CONFIG = "model_config.json"
+FORMAT = "farskip-orbax-params"
+VERSION = 1
+
+
+def restore_tree(directory: str | Path, target: Any, partial: bool = False) -> Any:
+    """An Orbax PyTree at `directory`, restored leaf by leaf into `target`'s ShapeDtypeStructs:
+    with a sharding, a jax.Array placed there (each device reads its slice); without, numpy. Arrays
+    are cast to the target dtype while reading. `partial`: restore only the leaves `target` names."""
+    import orbax.checkpoint as ocp
+
+    def args(t: jax.ShapeDtypeStruct) -> Any:
+        if t.sharding is None:
+            return ocp.RestoreArgs(restore_type=np.ndarray, dtype=t.dtype)
+        return ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape, dtype=t.dtype)
+
+    restore_args = jax.tree.map(args, target)
+    ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    return ckptr.restore(Path(directory).absolute(), args=ocp.args.PyTreeRestore(
+        item=target, restore_args=restore_args, partial_restore=partial))
+
+
+# --------------------------------------------------------------------------------------------
+# Converted checkpoints
+
+
+def is_orbax_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / MARKER).is_file()
+
+
+def read_marker(path: str | Path) -> dict:
+    f = Path(path) / MARKER
+    if not f.is_file():
+        raise CheckpointError(f"{path}: no {MARKER}; not a complete farskip Orbax checkpoint (an "
+                              "interrupted conversion leaves none)")
+    marker = json.loads(f.read_text())
+    if marker.get("format") != FORMAT or marker.get("version") != VERSION:
+        raise CheckpointError(f"{f}: format {marker.get('format')!r} version {marker.get('version')!r}; "
+                              f"expected {FORMAT!r} version {VERSION}")
+    return marker
+
+
+def load_model_config(path: str | Path, **overrides: Any) -> ModelConfig:
+    f = Path(path) / MODEL_CONFIG
+    if not f.is_file():
+        raise CheckpointError(f"{path}: no {MODEL_CONFIG}")
+    return override(from_dict(ModelConfig, json.loads(f.read_text()), "model"), overrides, "model")
+
+
+def check_marker_params(path: Path, marker: dict, cfg: ModelConfig) -> None:
+    saved = {tuple(p["path"]): tuple(p["shape"]) for g in marker["groups"] for p in g["params"]}
+    problems = []
+    for s in param_specs(cfg):
+        if s.path not in saved:
+            problems.append(f"{path}: parameter {s.name} is not in the checkpoint")
+        elif saved[s.path] != s.shape:
+            problems.append(f"{path}: parameter {s.name} has shape {list(saved[s.path])}, the config "
+                            f"needs {list(s.shape)}")
+    names = {s.path for s in param_specs(cfg)}
+    problems += [f"{path}: checkpoint parameter {'/'.join(map(str, p))} is not in the config"
+                 for p in saved if p not in names]
+    raise_problems(f"Orbax checkpoint {path}", problems)
+
+
+def restore_group(path: Path, group: dict, dtype: Any, sharding_fn: Callable[[tuple], Any] | None) -> dict:
+    """One group as a nested dict; numpy arrays when `sharding_fn` is None, else sharded jax.Arrays."""
+    target: dict = {}
+    for p in group["params"]:
+        pth = tuple(p["path"])
+        sharding = sharding_fn(pth) if sharding_fn is not None else None
+        nest_set(target, pth, jax.ShapeDtypeStruct(tuple(p["shape"]), dtype, sharding=sharding))
+    return restore_tree(path / group["dir"], target)
+
+
+def sharding_fn(shardings: Any, cfg: ModelConfig) -> Callable[[tuple], Any]:
+    """path -> sharding from None (the first device), a Mesh (EP layout), a pure dict of shardings
+    like the parameter tree, or a callable."""
+    from jax.sharding import Mesh
+
+    if shardings is None:
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return lambda path: one
+    if isinstance(shardings, Mesh):
+        shardings = model_shardings(cfg, shardings)
+    if callable(shardings):
+        return shardings
+    return lambda path: nest_get(shardings, path)
+
+
+def restore_params(path: str | Path, cfg: ModelConfig, shardings: Any = None, dtype: Any = None) -> dict:
+    """The parameter pure dict of a converted checkpoint, restored straight into `shardings`
+    (see `sharding_fn`) and cast to `dtype` (default `cfg.param_dtype`) while reading."""
+    from farskip_jax.model.layers import DTYPES
+
+    path = Path(path)
+    marker = read_marker(path)
+    check_marker_params(path, marker, cfg)
+    fn = sharding_fn(shardings, cfg)
+    out: dict = {}
+    for group in marker["groups"]:
+        deep_merge(out, restore_group(path, group, DTYPES[cfg.param_dtype] if dtype is None else dtype, fn))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Trainer checkpoints
+
+
+def is_trainer_step(path: Path) -> bool:
+    return (path / "params").is_dir() and (path / "meta").is_dir()
+
+
+def trainer_step_dir(path: str | Path) -> Path | None:
+    """`path` if it is a trainer checkpoint step, else the newest step under it (a run's
+    checkpoints/ directory), else None."""
+    p = Path(path)
+    if (p / "params").is_dir():
+        return p
+    if not p.is_dir():
+        return None
+    steps = sorted(int(q.name) for q in p.iterdir() if q.name.isdigit() and (q / "params").is_dir())
+    return p / str(steps[-1]) if steps else None
+
+
+def restore_trainer_params(step_dir: Path, target: dict) -> dict:
+    """The "params" item of a trainer checkpoint step into `target` (a pure dict of ShapeDtypeStructs
+    with shardings and dtypes), with every missing or mis-shaped parameter named."""
+    import orbax.checkpoint as ocp
+
+    meta = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(step_dir / "params")
+    tree = getattr(meta, "item_metadata", meta)
+    tree = getattr(tree, "tree", tree)
+    problems = []
+    for keys, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
+        path = tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in keys)
+        try:
+            saved = nest_get(tree, path)
+        except (KeyError, TypeError):
+            problems.append(f"{step_dir / 'params'}: parameter {'/'.join(path)} is missing")
+            continue
+        if tuple(saved.shape) != tuple(leaf.shape):
+            problems.append(f"{step_dir / 'params'}: parameter {'/'.join(path)} has shape "
+                            f"{list(saved.shape)}, the config needs {list(leaf.shape)}")
+    raise_problems(f"training checkpoint {step_dir}", problems)
+    return restore_tree(step_dir / "params", target)
