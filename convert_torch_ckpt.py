@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
+
+from farskip_jax.errors import UserError, cli_main
 
 EPILOG = """\
 examples:
@@ -51,27 +54,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> int:
+    """Checkpoint and argument problems (CheckpointError is a UserError) end as `error: ...` on
+    stderr with exit status 2 (`cli_main`)."""
     args = build_parser().parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion needs no accelerator
     from farskip_jax.checkpoint.convert import convert_hf_to_orbax, farskip_overrides, parse_mesh
-    from farskip_jax.checkpoint.hf_io import CheckpointError
     from farskip_jax.checkpoint.to_hf import convert_orbax_to_hf
-    from farskip_jax.config import ConfigError
 
-    try:
-        overrides = farskip_overrides(args.farskip, args.farskip_range)
-        common = dict(dtype=args.dtype, overrides=overrides, dry_run=args.dry_run, overwrite=args.overwrite,
-                      progress=not args.no_progress)
-        if args.to_hf:
-            if args.mesh:
-                raise ConfigError("--mesh applies to HF -> Orbax only")
-            convert_orbax_to_hf(args.input, args.output, max_shard_size=args.max_shard_size, **common)
-        else:
-            convert_hf_to_orbax(args.input, args.output, mesh=parse_mesh(args.mesh), **common)
-    except (CheckpointError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if not Path(args.input).exists():
+        raise UserError(f"--input {args.input}: no such directory; pass an HF checkpoint directory (or, with "
+                        "--to-hf, a converted or training checkpoint directory)")
+    overrides = farskip_overrides(args.farskip, args.farskip_range)
+    common = dict(dtype=args.dtype, overrides=overrides, dry_run=args.dry_run, overwrite=args.overwrite,
+                  progress=not args.no_progress)
+    if args.to_hf:
+        if args.mesh:
+            raise UserError("--mesh applies to HF -> Orbax only; drop it with --to-hf")
+        convert_orbax_to_hf(args.input, args.output, max_shard_size=args.max_shard_size, **common)
+    else:
+        convert_hf_to_orbax(args.input, args.output, mesh=parse_mesh(args.mesh), **common)
     return 0
 
 

@@ -15,6 +15,7 @@ import logging
 import sys
 
 from farskip_jax.config import ConfigError, load_config, parse_overrides, to_dict
+from farskip_jax.errors import cli_main
 
 
 def _flatten(d: dict, prefix: str = "") -> list[tuple[str, object]]:
@@ -71,7 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> int:
+    """User errors (bad config, mesh larger than the machine, missing data, tokenizer or checkpoint)
+    end as one `error: ...` line naming the fix, exit status 2 (`cli_main`)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.help or not args.config:
@@ -80,11 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             print(_config_listing(args.config, args.overrides))
         return 0 if args.help else 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    try:
-        cfg = load_config(args.config, parse_overrides(args.overrides))
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.config, parse_overrides(args.overrides))
     if args.xla_flags != "none":
         from farskip_jax.xla_flags import apply_default_xla_flags, detect_local_target
 

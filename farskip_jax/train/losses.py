@@ -16,18 +16,21 @@ Conventions shared by every loss here:
   un-normalised sum), so a trainer can re-normalise across micro-batches or devices.
 
 The ``chunked_*`` variants take final hidden states ``[..., d]`` and LM-head matrices ``[d, vocab]``
-instead of logits. They scan over chunks of tokens with a rematerialised body, so neither the forward
-nor the backward pass ever holds more than ``[chunk, vocab]`` logits per model: at vocab 102400 a
-4096-token sequence would otherwise need 1.6 GiB of fp32 logits per model, plus as much for gradients.
+instead of logits. They scan over chunks of the sequence axis (``farskip_jax.train.chunking``) with a
+rematerialised body, so neither the forward nor the backward pass ever holds more than
+``[rows, chunk, vocab]`` logits per model: at vocab 102400 a 4096-token sequence would otherwise need
+1.6 GiB of fp32 logits per model, plus as much for gradients. Logits come from ``chunking.lm_logits``
+(the compute dtype of the hidden states, fp32 accumulation) for the student and the teacher alike.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+
+from farskip_jax.train.chunking import chunked_sum, lm_logits
 
 Array = jax.Array
 Metrics = dict[str, Array]
@@ -82,55 +85,6 @@ def forward_kl(
     return _kl_result(jnp.sum(kl * m), jnp.sum(m), temperature, normalizer)
 
 
-def _rows_by_positions(x: Array, token_ndim: int) -> Array:
-    """[*lead, T, *features] -> [R, T, *features] with R = prod(lead) (R = 1 for 1-D token arrays)."""
-    tok = x.shape[:token_ndim]
-    rows = 1
-    for s in tok[:-1]:
-        rows *= s
-    return x.reshape(rows, tok[-1], *x.shape[token_ndim:])
-
-
-def _seq_chunks(x: Array, chunk: int) -> Array:
-    """[R, T, ...] -> [n_chunks, R, chunk, ...], padding T to a multiple of ``chunk``.
-
-    Chunks run along the sequence axis and keep the row (batch) axis whole, so a batch sharded
-    over devices stays sharded: chunking the flattened token axis instead would make XLA gather
-    the activations of every device before each chunk.
-    """
-    t = x.shape[1]
-    pad = (-t) % chunk
-    if pad:
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-    x = x.reshape(x.shape[0], (t + pad) // chunk, chunk, *x.shape[2:])
-    return jnp.moveaxis(x, 1, 0)
-
-
-def _chunked_sum(body: Callable[..., Array], token_arrays: tuple[Array, ...], chunk_size: int,
-                 token_ndim: int) -> Array:
-    """sum over sequence chunks of ``body(*chunk_of_each_token_array)``, recomputed in the backward pass.
-
-    ``chunk_size`` positions of every sequence per chunk. ``jax.checkpoint`` on the body means the
-    scan saves only the chunk inputs as residuals; the [rows, chunk, vocab] logits are rebuilt chunk
-    by chunk when the gradient is taken.
-    """
-    rows = tuple(_rows_by_positions(a, token_ndim) for a in token_arrays)
-    chunk = max(1, min(chunk_size, rows[0].shape[1]))
-    chunked = tuple(_seq_chunks(a, chunk) for a in rows)
-    body = jax.checkpoint(body)
-
-    def step(acc: Array, xs: tuple[Array, ...]) -> tuple[Array, None]:
-        return acc + body(*xs), None
-
-    total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), chunked)
-    return total
-
-
-def _logits(hidden: Array, head: Array) -> Array:
-    # fp32 accumulation even for bf16 weights: softmax over 102400 entries is sensitive to logit rounding.
-    return jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
-
-
 def chunked_forward_kl(
     teacher_hidden: Array,
     teacher_head: Array,
@@ -152,10 +106,10 @@ def chunked_forward_kl(
     m = mask.astype(jnp.float32)
 
     def body(th: Array, sh: Array, mc: Array) -> Array:
-        kl = _token_kl(_logits(th, teacher_head), _logits(sh, student_head), temperature)
+        kl = _token_kl(lm_logits(th, teacher_head), lm_logits(sh, student_head), temperature)
         return jnp.sum(kl * mc)
 
-    kl_sum = _chunked_sum(body, (teacher_hidden, student_hidden, m), chunk_size, m.ndim)
+    kl_sum = chunked_sum(body, (teacher_hidden, student_hidden, m), chunk_size, m.ndim)
     return _kl_result(kl_sum, jnp.sum(m), temperature, normalizer)
 
 
@@ -237,10 +191,10 @@ def chunked_topk_kl(
     m = mask.astype(jnp.float32)
 
     def kl_body(tl: Array, ti: Array, sh: Array, mc: Array) -> Array:
-        kl, _ = _token_topk_kl(tl, ti, _logits(sh, student_head), temperature)
+        kl, _ = _token_topk_kl(tl, ti, lm_logits(sh, student_head), temperature)
         return jnp.sum(kl * mc)
 
-    kl_sum = _chunked_sum(kl_body, (t_logp, t_ids, student_hidden, m), chunk_size, m.ndim)
+    kl_sum = chunked_sum(kl_body, (t_logp, t_ids, student_hidden, m), chunk_size, m.ndim)
     # The covered mass depends only on the teacher, so it needs no chunking.
     mass_sum = jnp.sum(jnp.sum(jnp.exp(t_logp), axis=-1) * m)
     return _topk_result(kl_sum, mass_sum, jnp.sum(m), temperature, normalizer)
@@ -292,9 +246,9 @@ def chunked_cross_entropy(
     m = mask.astype(jnp.float32)
 
     def body(h: Array, t: Array, mc: Array) -> Array:
-        return jnp.sum(_token_ce(_logits(h, head), t) * mc)
+        return jnp.sum(_token_ce(lm_logits(h, head), t) * mc)
 
-    ce_sum = _chunked_sum(body, (hidden, tg, m), chunk_size, m.ndim)
+    ce_sum = chunked_sum(body, (hidden, tg, m), chunk_size, m.ndim)
     return _ce_result(ce_sum, jnp.sum(m), normalizer)
 
 

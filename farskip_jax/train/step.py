@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,12 +22,17 @@ from flax import nnx
 
 from farskip_jax.config import TrainConfig
 from farskip_jax.train import losses
+from farskip_jax.train.chunking import chunked_map, lm_logits
 
 Batch = dict[str, jax.Array]
 State = dict[str, Any]
 AUX_KEYS = ("expert_balance_loss", "device_balance_loss")
 # Metric sums accumulated over micro-batches (divided by the token count on the host).
-_SUM_KEYS = ("kl_sum", "l2_sum", "ce_sum", "aux", "teacher_topk_mass_sum")
+# The dropped-fraction entries are per micro-batch means of the models' aux "dropped_fraction"
+# (0.0 when dropless); the train step divides their sum by the number of micro-batches.
+_SUM_KEYS = ("kl_sum", "l2_sum", "ce_sum", "aux", "teacher_topk_mass_sum", "student_dropped_fraction",
+             "teacher_dropped_fraction")
+_MEAN_KEYS = ("student_dropped_fraction", "teacher_dropped_fraction")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,14 +70,26 @@ def _forward(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, parallel: 
     return out, model.head_weights()
 
 
-def micro_loss(spec: LossSpec, s_graph: nnx.GraphDef, s_params: nnx.State, t_graph: nnx.GraphDef | None,
-               t_params: nnx.State | None, batch: Batch, normalizer: jax.Array, aux_scale: float,
-               parallel: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Loss of one micro-batch, already divided by the step's global token count."""
+def _dropped(out: Any) -> jax.Array:
+    return jnp.asarray(out.aux.get("dropped_fraction", 0.0), jnp.float32)
+
+
+class _Forwards(NamedTuple):
+    student: Any
+    student_head: jax.Array
+    teacher: Any
+    teacher_head: jax.Array | None
+
+
+def _micro(spec: LossSpec, s_graph: nnx.GraphDef, s_params: nnx.State, t_graph: nnx.GraphDef | None,
+           t_params: nnx.State | None, batch: Batch, normalizer: jax.Array, aux_scale: float,
+           parallel: Any) -> tuple[jax.Array, dict[str, jax.Array], _Forwards]:
     mask = token_mask(spec, batch)
     s_out, s_head = _forward(s_graph, s_params, batch, parallel)
+    t_out = t_head = None
     zero = jnp.zeros((), jnp.float32)
     m = {k: zero for k in _SUM_KEYS}
+    m["student_dropped_fraction"] = _dropped(s_out)
     if spec.mode == "fcsd":
         if spec.cached_teacher:
             loss, lm = losses.chunked_topk_kl(batch["teacher_topk_logp"], batch["teacher_topk_ids"],
@@ -81,6 +98,7 @@ def micro_loss(spec: LossSpec, s_graph: nnx.GraphDef, s_params: nnx.State, t_gra
             m["teacher_topk_mass_sum"] = lm["teacher_topk_mass"] * lm["num_tokens"]
         else:
             t_out, t_head = _forward(t_graph, jax.lax.stop_gradient(t_params), batch, parallel)
+            m["teacher_dropped_fraction"] = _dropped(t_out)
             loss, lm = losses.chunked_forward_kl(t_out.hidden, t_head, s_out.hidden, s_head, mask,
                                                  spec.temperature, normalizer, spec.chunk_tokens)
             if spec.hidden_l2_weight > 0:
@@ -98,18 +116,58 @@ def micro_loss(spec: LossSpec, s_graph: nnx.GraphDef, s_params: nnx.State, t_gra
         # The balance losses are batch means already: weight each micro-batch equally.
         loss = loss + aux * aux_scale
         m["aux"] = aux * aux_scale
+    return loss, m, _Forwards(s_out, s_head, t_out, t_head)
+
+
+def micro_loss(spec: LossSpec, s_graph: nnx.GraphDef, s_params: nnx.State, t_graph: nnx.GraphDef | None,
+               t_params: nnx.State | None, batch: Batch, normalizer: jax.Array, aux_scale: float,
+               parallel: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Loss of one micro-batch, already divided by the step's global token count."""
+    loss, m, _ = _micro(spec, s_graph, s_params, t_graph, t_params, batch, normalizer, aux_scale, parallel)
     return loss, m
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShardings:
+    """Where the train step keeps each tree (NamedSharding trees shaped like the trees they place).
+
+    `params`: the parameters' layout (EP: experts split, the rest replicated); `grads`: the layout of
+    gradients and of the update arithmetic, equal to `params` without ZeRO-1 and split over the batch
+    devices with it (`farskip_jax.train.zero1`); `opt_state`: the optimizer state's layout, matching
+    `grads`; `scalar`: replicated scalars (step counters).
+    """
+
+    params: Any
+    grads: Any
+    opt_state: Any
+    scalar: Any
+
+    @property
+    def state(self) -> State:
+        return {"params": self.params, "opt_state": self.opt_state, "step": self.scalar,
+                "skipped": self.scalar}
 
 
 def make_train_step(spec: LossSpec, s_graph: nnx.GraphDef, t_graph: nnx.GraphDef | None,
                     tx: optax.GradientTransformation, schedule: optax.Schedule, parallel: Any = None,
-                    state_shardings: Any = None) -> Callable[..., tuple[State, dict[str, jax.Array]]]:
+                    shardings: StepShardings | None = None
+                    ) -> Callable[..., tuple[State, dict[str, jax.Array]]]:
     """`step(state, teacher_params, batch, loss_scale) -> (state, metrics)`, jitted, state donated.
 
-    state = {"params", "opt_state", "skipped"}. A non-finite loss or gradient norm leaves params and
-    optimizer state untouched (jnp.where over the whole update) and increments "skipped".
+    state = {"params", "opt_state", "step", "skipped"}. A non-finite loss or gradient norm leaves
+    params and optimizer state untouched (jnp.where over the whole update) and increments "skipped".
     `loss_scale` is 1.0 except in fault-injection tests (NaN poisons the gradient).
+
+    With `shardings`, every micro-batch's gradient is constrained to `shardings.grads`: under ZeRO-1
+    that layout is split over the batch devices, so XLA reduces the data-parallel gradient sum with a
+    reduce-scatter instead of an all-reduce, the AdamW arithmetic runs on 1/N of every replicated
+    weight per device, and the new parameters are all-gathered back to `shardings.params`.
     """
+    if shardings is None:
+        to_grad = to_param = lambda tree: tree
+    else:
+        to_grad = lambda tree: jax.lax.with_sharding_constraint(tree, shardings.grads)
+        to_param = lambda tree: jax.lax.with_sharding_constraint(tree, shardings.params)
 
     def step(state: State, t_params: nnx.State | None, batch: Batch, loss_scale: jax.Array):
         params = state["params"]
@@ -124,45 +182,44 @@ def make_train_step(spec: LossSpec, s_graph: nnx.GraphDef, t_graph: nnx.GraphDef
         def body(carry, mb):
             g_acc, loss_acc, m_acc = carry
             (loss, m), g = grad_fn(params, mb)
-            g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
+            g_acc = to_grad(jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, to_grad(g)))
             m_acc = {k: m_acc[k] + m[k] for k in m_acc}
             return (g_acc, loss_acc + loss, m_acc), None
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        zeros = to_grad(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
         m0 = {k: jnp.zeros((), jnp.float32) for k in _SUM_KEYS}
         (grads, loss, msum), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32), m0), batch)
+        msum = {k: v / num_micro if k in _MEAN_KEYS else v for k, v in msum.items()}
         loss = loss * loss_scale
         grads = jax.tree.map(lambda g: g * loss_scale, grads)
         gnorm = optax.global_norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
         # Zeroed grads keep Adam's update arithmetic finite; the result is discarded anyway when !ok.
-        safe = jax.tree.map(lambda g: jnp.where(ok, g, 0.0).astype(g.dtype), grads)
-        updates, new_opt = tx.update(safe, state["opt_state"], params)
-        new_params = optax.apply_updates(params, updates)
+        safe = to_grad(jax.tree.map(lambda g: jnp.where(ok, g, 0.0).astype(g.dtype), grads))
+        # The update runs in the gradients' layout: each device updates its slice of every weight.
+        local = to_grad(params)
+        updates, new_opt = tx.update(safe, state["opt_state"], local)
+        new_params = optax.apply_updates(local, updates)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
         applied = jnp.asarray(state["step"] - state["skipped"], jnp.int32)
-        new_state = {"params": keep(new_params, params), "opt_state": keep(new_opt, state["opt_state"]),
+        # Select in the sharded layout, then all-gather once: unconstrained, XLA may gather both operands.
+        new_state = {"params": to_param(to_grad(keep(new_params, local))),
+                     "opt_state": keep(new_opt, state["opt_state"]),
                      "step": state["step"] + 1, "skipped": state["skipped"] + (~ok).astype(jnp.int32)}
         metrics = {"loss": loss, "grad_norm": gnorm, "ok": ok, "num_tokens": normalizer,
                    "lr": schedule(applied), **msum}
         return new_state, metrics
 
     kw: dict[str, Any] = {"donate_argnums": (0,)}
-    if state_shardings is not None:
-        kw["out_shardings"] = (state_shardings, None)
+    if shardings is not None:
+        kw["out_shardings"] = (shardings.state, None)
     return jax.jit(step, **kw)
 
 
-def _chunked_argmax(hidden: jax.Array, head: jax.Array, chunk: int) -> jax.Array:
-    """argmax over the vocabulary of hidden @ head, [chunk, V] logits at a time."""
-    shape = hidden.shape[:-1]
-    h = hidden.reshape(-1, hidden.shape[-1])
-    n = h.shape[0]
-    c = max(1, min(chunk, n))
-    pad = (-n) % c
-    h = jnp.pad(h, ((0, pad), (0, 0))).reshape(-1, c, h.shape[-1])
-    ids = jax.lax.map(lambda x: jnp.argmax(losses._logits(x, head), axis=-1).astype(jnp.int32), h)
-    return ids.reshape(-1)[:n].reshape(shape)
+def greedy_ids(hidden: jax.Array, head: jax.Array, chunk: int) -> jax.Array:
+    """argmax over the vocabulary of hidden @ head for hidden [B, T, D], `chunk` positions at a time."""
+    return chunked_map(lambda h: jnp.argmax(lm_logits(h, head), axis=-1).astype(jnp.int32), (hidden,),
+                       chunk, hidden.ndim - 1)
 
 
 def make_eval_step(spec: LossSpec, s_graph: nnx.GraphDef, t_graph: nnx.GraphDef | None,
@@ -173,13 +230,13 @@ def make_eval_step(spec: LossSpec, s_graph: nnx.GraphDef, t_graph: nnx.GraphDef 
     def ev(params: nnx.State, t_params: nnx.State | None, batch: Batch):
         mask = token_mask(spec, batch).astype(jnp.float32)
         ntok = jnp.sum(mask)
-        _, m = micro_loss(spec, s_graph, params, t_graph, t_params, batch, jnp.float32(1.0), 1.0, parallel)
-        s_out, s_head = _forward(s_graph, params, batch, parallel)
-        s_ids = _chunked_argmax(s_out.hidden, s_head, spec.chunk_tokens)
+        _, m, fw = _micro(spec, s_graph, params, t_graph, t_params, batch, jnp.float32(1.0), 1.0, parallel)
+        s_ids = greedy_ids(fw.student.hidden, fw.student_head, spec.chunk_tokens)
         out = {**m, "num_tokens": ntok, "correct": jnp.sum((s_ids == batch["targets"]) * mask)}
         if t_graph is not None and t_params is not None:
-            t_out, t_head = _forward(t_graph, t_params, batch, parallel)
-            t_ids = _chunked_argmax(t_out.hidden, t_head, spec.chunk_tokens)
+            t_out, t_head = (fw.teacher, fw.teacher_head) if fw.teacher is not None else \
+                _forward(t_graph, t_params, batch, parallel)
+            t_ids = greedy_ids(t_out.hidden, t_head, spec.chunk_tokens)
             out["agree"] = jnp.sum((s_ids == t_ids) * mask)
         elif spec.cached_teacher:
             out["agree"] = jnp.sum((s_ids == batch["teacher_topk_ids"][..., 0]) * mask)
@@ -194,18 +251,12 @@ def make_teacher_topk(t_graph: nnx.GraphDef, k: int, temperature: float, chunk: 
 
     def run(t_params: nnx.State, batch: Batch):
         out, head = _forward(t_graph, t_params, batch, parallel)
-        h = out.hidden.reshape(-1, out.hidden.shape[-1])
-        n = h.shape[0]
-        c = max(1, min(chunk, n))
-        pad = (-n) % c
-        hc = jnp.pad(h, ((0, pad), (0, 0))).reshape(-1, c, h.shape[-1])
 
-        def one(x):
-            logp = jax.nn.log_softmax(losses._logits(x, head) / temperature, axis=-1)
-            return jax.lax.top_k(logp, k)
+        def one(h: jax.Array) -> tuple[jax.Array, jax.Array]:
+            logp = jax.nn.log_softmax(lm_logits(h, head) / temperature, axis=-1)
+            vals, ids = jax.lax.top_k(logp, k)
+            return vals, ids.astype(jnp.int32)
 
-        vals, ids = jax.lax.map(one, hc)
-        shape = out.hidden.shape[:-1] + (k,)
-        return vals.reshape(-1, k)[:n].reshape(shape), ids.reshape(-1, k)[:n].reshape(shape).astype(jnp.int32)
+        return chunked_map(one, (out.hidden,), chunk, out.hidden.ndim - 1)
 
     return jax.jit(run)

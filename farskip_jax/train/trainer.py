@@ -20,15 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from farskip_jax.checkpoint.manager import CheckpointManager
 from farskip_jax.config import Config, to_dict
-from farskip_jax.train import setup
+from farskip_jax.errors import UserError
+from farskip_jax.train import batches, setup
 from farskip_jax.train.early_stop import EarlyStopper
-from farskip_jax.train.optim import lr_schedule, make_optimizer
-from farskip_jax.train.step import LossSpec, make_eval_step, make_train_step
+from farskip_jax.train.program import TrainProgram, build_program
 from farskip_jax.train.teacher_cache import TeacherCache
 
 log = logging.getLogger(__name__)
@@ -103,33 +101,23 @@ class Trainer:
         self.cfg = cfg
         tc = cfg.train
         self.out = Path(tc.output_dir)
-        self.mesh, self.parallel = setup.mesh_and_parallel(cfg)
+        # Every check of the user's input runs before the model is built or loaded.
+        self.mesh = setup.training_mesh(cfg)
+        batches.check_data_files(cfg)
+        check_init_checkpoint(cfg)
+        self.program = build_program(cfg, self.mesh)
+        self.parallel, self.spec = self.program.parallel, self.program.spec
+        if self.spec.cached_teacher and tc.hidden_l2_weight > 0:
+            raise UserError("train.hidden_l2_weight needs the teacher's hidden states; it cannot be used "
+                            "with train.teacher_cache (set one of them to 0 / null)")
         self.cache = TeacherCache(tc.teacher_cache, tc.teacher_topk, tc.kl_temperature) \
-            if tc.teacher_cache and tc.mode == "fcsd" else None
-        self.spec = LossSpec.from_train(tc, cached_teacher=self.cache is not None)
-        if self.cache is not None and tc.hidden_l2_weight > 0:
-            raise ValueError("train.hidden_l2_weight needs the teacher's hidden states; it cannot be used "
-                             "with train.teacher_cache")
-        self.models = setup.build_models(cfg, self.mesh, need_teacher=self.spec.needs_teacher_model)
-        self.schedule = lr_schedule(tc)
-        self.tx = make_optimizer(tc, self.models.student_params)
-        params = self.models.student_params
-        # Scalars such as Adam's count come out of init on one device without a mesh sharding; give them
-        # the replicated mesh sharding the step returns, or the second step would recompile.
-        replicated = NamedSharding(self.mesh, P())
-        opt_state = jax.tree.map(
-            lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated),
-            jax.jit(self.tx.init)(params))
-        # Two separate buffers: the step donates its state, and one buffer cannot be donated twice.
-        zero = lambda: jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))
-        self.state = {"params": params, "opt_state": opt_state, "step": zero(), "skipped": zero()}
-        shardings = jax.tree.map(lambda x: x.sharding, self.state)
-        self.train_step = make_train_step(self.spec, self.models.student_graph, self.models.teacher_graph,
-                                          self.tx, self.schedule, self.parallel, shardings)
-        self.eval_step = make_eval_step(self.spec, self.models.student_graph, self.models.teacher_graph,
-                                        self.parallel)
-        self.data = setup.BatchStream(cfg, self.mesh, tc.grad_accum_steps)
-        self.eval_data = setup.eval_batches(cfg, self.mesh)
+            if self.spec.cached_teacher else None
+        self.data = batches.BatchStream(cfg, self.program.batch_sharding, tc.grad_accum_steps)
+        self.eval_data = batches.eval_batches(cfg, self.program.eval_batch_sharding)
+        self.models = setup.build_models(cfg, self.program)
+        self.state = self.program.init_state(self.models.student_params)
+        self.train_step = self.program.train_step
+        self.eval_step = self.program.eval_step()
         self.ckpt = CheckpointManager(self.out / "checkpoints", tc.keep_checkpoints)
         self.stopper = EarlyStopper(tc.patience, tc.drop_threshold)
         self.rng = jax.random.key_data(jax.random.key(tc.seed))
@@ -183,10 +171,9 @@ class Trainer:
         if self.eval_data is None:
             return None
         sums: dict[str, float] = {}
-        sharding = NamedSharding(self.mesh, P(setup.BATCH_AXES))
         for i, host in enumerate(self.eval_data):
             host = self._with_cache(host, f"eval_{i:04d}")
-            batch = {k: jax.make_array_from_process_local_data(sharding, v) for k, v in host.items()}
+            batch = batches.to_device(host, self.program.eval_batch_sharding)
             out = jax.device_get(self.eval_step(self.state["params"], self.models.teacher_params, batch))
             for k, v in out.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
@@ -237,6 +224,9 @@ class Trainer:
             vals["ce"] = float(m["ce_sum"]) / n
         if self.spec.aux_loss:
             vals["aux"] = float(m["aux"])
+        # Routed assignments over capacity (0.0 when dropless; the teacher always is).
+        vals["student_dropped_fraction"] = float(m["student_dropped_fraction"])
+        vals["teacher_dropped_fraction"] = float(m["teacher_dropped_fraction"])
         return vals
 
     def run(self, resume: bool = False) -> dict[str, Any]:
@@ -324,6 +314,14 @@ def train(cfg: Config, resume: bool = False) -> dict[str, Any]:
     return Trainer(cfg).run(resume=resume)
 
 
+def check_init_checkpoint(cfg: Config) -> None:
+    path = cfg.train.init_checkpoint
+    if path is not None and not Path(path).exists():
+        raise UserError(f"train.init_checkpoint: {path!r} does not exist; set --set "
+                        "train.init_checkpoint=DIR (HF dir, convert_torch_ckpt.py output or training "
+                        "checkpoint) or =null for random init")
+
+
 def precompute_teacher(cfg: Config, out_dir: str) -> dict[str, float]:
     """Writes the teacher's top-k log-probs for the first `total_steps` training steps and the eval batches,
     then measures, on those eval batches (or the first steps), how far the top-k + tail KL of the initial
@@ -334,19 +332,21 @@ def precompute_teacher(cfg: Config, out_dir: str) -> dict[str, float]:
     from farskip_jax.train.step import make_teacher_topk
 
     tc = cfg.train
-    mesh, parallel = setup.mesh_and_parallel(cfg)
-    models = setup.build_models(cfg, mesh, need_teacher=True)
+    mesh = setup.training_mesh(cfg)
+    batches.check_data_files(cfg)
+    check_init_checkpoint(cfg)
+    program = build_program(cfg, mesh)
+    data = batches.BatchStream(cfg, program.batch_sharding, tc.grad_accum_steps)
+    evals = batches.eval_batches(cfg, program.eval_batch_sharding) or []
+    models = setup.build_models(cfg, program, need_teacher=True)
     topk = make_teacher_topk(models.teacher_graph, tc.teacher_topk, tc.kl_temperature, tc.kl_chunk_tokens,
-                             parallel)
+                             program.parallel)
     tcache.write_meta(out_dir, {"k": tc.teacher_topk, "temperature": tc.kl_temperature,
                                 "steps": tc.total_steps, "grad_accum_steps": tc.grad_accum_steps,
                                 "config": cfg.name})
-    data = setup.BatchStream(cfg, mesh, tc.grad_accum_steps)
-    flat = NamedSharding(mesh, P(setup.BATCH_AXES))
 
     def run(host: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        batch = {k: jax.make_array_from_process_local_data(flat, v) for k, v in host.items()}
-        logp, ids = topk(models.teacher_params, batch)
+        logp, ids = topk(models.teacher_params, batches.to_device(host, program.eval_batch_sharding))
         return np.asarray(jax.device_get(logp)), np.asarray(jax.device_get(ids))
 
     for step in tqdm(range(tc.total_steps), desc="teacher top-k", disable=jax.process_index() != 0):
@@ -354,26 +354,22 @@ def precompute_teacher(cfg: Config, out_dir: str) -> dict[str, float]:
         outs = [run({k: v[a] for k, v in host.items()}) for a in range(tc.grad_accum_steps)]
         tcache.write_entry(out_dir, f"train_{step:08d}", np.stack([o[0] for o in outs]),
                            np.stack([o[1] for o in outs]), host["input_ids"])
-    evals = setup.eval_batches(cfg, mesh) or []
     for i, host in enumerate(evals):
         logp, ids = run(host)
         tcache.write_entry(out_dir, f"eval_{i:04d}", logp, ids, host["input_ids"])
-    return measure_topk_gap(cfg, models, out_dir, evals, parallel, mesh)
+    return measure_topk_gap(program, models, out_dir, evals)
 
 
-def measure_topk_gap(cfg: Config, models: setup.Models, cache_dir: str, evals: list, parallel: Any,
-                     mesh: Any) -> dict[str, float]:
+def measure_topk_gap(program: TrainProgram, models: setup.Models, cache_dir: str,
+                     evals: list) -> dict[str, float]:
     """Full-teacher KL vs cached top-k + tail KL of the *initial* student on the eval batches."""
-    tc = cfg.train
-    full = make_eval_step(LossSpec.from_train(tc, cached_teacher=False), models.student_graph,
-                          models.teacher_graph, parallel)
-    cached = make_eval_step(LossSpec.from_train(tc, cached_teacher=True), models.student_graph, None,
-                            parallel)
+    tc = program.cfg.train
+    full = program.eval_step(with_teacher=True, cached_teacher=False)
+    cached = program.eval_step(with_teacher=False, cached_teacher=True)
     cache = TeacherCache(cache_dir, tc.teacher_topk, tc.kl_temperature)
-    flat = NamedSharding(mesh, P(setup.BATCH_AXES))
+    dev = lambda h: batches.to_device(h, program.eval_batch_sharding)
     kl_full = kl_topk = ntok = 0.0
     for i, host in enumerate(evals):
-        dev = lambda h: {k: jax.make_array_from_process_local_data(flat, v) for k, v in h.items()}
         a = jax.device_get(full(models.student_params, models.teacher_params, dev(host)))
         b = jax.device_get(cached(models.student_params, None,
                                   dev({**host, **cache.load(f"eval_{i:04d}", host["input_ids"])})))

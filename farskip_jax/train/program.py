@@ -1,0 +1,175 @@
+"""The training program: one place that turns a Config and a mesh into the jitted steps and the
+layouts of everything they take.
+
+The trainer runs `build_program(cfg, mesh).train_step` on real arrays; `abstract_train_step`
+returns that same jitted step with abstract arguments (`jax.ShapeDtypeStruct` carrying their
+NamedShardings), so the HLO inspector compiles for a GPU topology, without devices, exactly the
+program `train.py` runs: same LossSpec, optimizer, ZeRO-1 layouts, teacher and parallel object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from farskip_jax.config import Config, ModelConfig, TrainConfig
+from farskip_jax.errors import UserError
+from farskip_jax.model.transformer import Transformer, with_farskip
+from farskip_jax.parallel import BATCH_AXES, ExpertParallel, param_shardings
+from farskip_jax.train.optim import lr_schedule, make_optimizer
+from farskip_jax.train.step import LossSpec, StepShardings, make_eval_step, make_train_step
+from farskip_jax.train.zero1 import batch_devices, step_shardings
+
+BATCH_FIELDS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
+
+
+def student_config(cfg: Config) -> ModelConfig:
+    """The student: the config's model (FarSkip settings, `param_dtype` master weights, default
+    fp32, `dtype` compute)."""
+    return cfg.model
+
+
+def teacher_config(cfg: Config) -> ModelConfig:
+    """The teacher: the same model with regular connectivity, weights in `train.teacher_dtype`, and
+    always dropless (capacity_factor 0): its distribution is the target, and a capacity limit would
+    make that target depend on which other tokens share the batch."""
+    return dataclasses.replace(with_farskip(cfg.model, enabled=False), param_dtype=cfg.train.teacher_dtype,
+                               capacity_factor=0.0)
+
+
+def uses_teacher_cache(tc: TrainConfig) -> bool:
+    return tc.mode == "fcsd" and tc.teacher_cache is not None
+
+
+def parallel_for(mesh: Mesh) -> ExpertParallel | None:
+    """The model's `parallel=` object for the training mesh (None: plain local routing)."""
+    if dict(mesh.shape).get("tensor", 1) != 1:
+        raise UserError("training uses the expert-parallel layout: set --set mesh.tensor=1 (tensor "
+                        "parallelism is for inference) and split devices with mesh.expert / mesh.data")
+    return ExpertParallel(mesh) if dict(mesh.shape).get("expert", 1) > 1 else None
+
+
+def abstract_params(mcfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, Param state of ShapeDtypeStructs) of the model; nothing is allocated."""
+    return nnx.split(nnx.eval_shape(lambda: Transformer(mcfg, nnx.Rngs(0))), nnx.Param)
+
+
+def with_shardings(tree: Any, shardings: Any) -> Any:
+    """ShapeDtypeStructs of `tree`'s leaves carrying the matching sharding of `shardings`."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+@dataclasses.dataclass
+class TrainProgram:
+    """Models, optimizer, layouts and the jitted train step for one Config on one mesh."""
+
+    cfg: Config
+    mesh: Mesh
+    parallel: ExpertParallel | None
+    spec: LossSpec
+    student_cfg: ModelConfig
+    teacher_cfg: ModelConfig
+    student_graph: nnx.GraphDef
+    teacher_graph: nnx.GraphDef
+    student_abstract: nnx.State  # ShapeDtypeStructs, no shardings
+    teacher_abstract: nnx.State
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    shardings: StepShardings
+    teacher_shardings: Any
+    train_step: Any  # jitted: step(state, teacher_params, batch, loss_scale) -> (state, metrics)
+
+    @property
+    def needs_teacher(self) -> bool:
+        return self.spec.needs_teacher_model
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        """[A, B, T] step batches: micro-batch axis whole, batch over (data, expert)."""
+        return NamedSharding(self.mesh, P(None, BATCH_AXES))
+
+    @property
+    def eval_batch_sharding(self) -> NamedSharding:
+        """[B, T] batches of the eval and teacher top-k steps."""
+        return NamedSharding(self.mesh, P(BATCH_AXES))
+
+    def eval_step(self, with_teacher: bool | None = None, cached_teacher: bool | None = None) -> Any:
+        """The jitted eval step; by default with the teacher exactly when the train step has one."""
+        spec = self.spec if cached_teacher is None else dataclasses.replace(self.spec,
+                                                                            cached_teacher=cached_teacher)
+        teacher = spec.needs_teacher_model if with_teacher is None else with_teacher
+        return make_eval_step(spec, self.student_graph, self.teacher_graph if teacher else None,
+                              self.parallel)
+
+    def init_state(self, params: nnx.State) -> dict[str, Any]:
+        """The train state around placed student params: optimizer state created in its (ZeRO-1)
+        layout, and two separate step-counter buffers (the step donates its state, and one buffer
+        cannot be donated twice)."""
+        opt_state = jax.jit(self.tx.init, out_shardings=self.shardings.opt_state)(params)
+        zero = lambda: jax.device_put(np.zeros((), np.int32), self.shardings.scalar)
+        return {"params": params, "opt_state": opt_state, "step": zero(), "skipped": zero()}
+
+    def abstract_state(self) -> dict[str, Any]:
+        opt = jax.eval_shape(self.tx.init, self.student_abstract)
+        scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.shardings.scalar)
+        return {"params": with_shardings(self.student_abstract, self.shardings.params),
+                "opt_state": with_shardings(opt, self.shardings.opt_state), "step": scalar, "skipped": scalar}
+
+    def abstract_teacher(self) -> nnx.State | None:
+        if not self.needs_teacher:
+            return None
+        return with_shardings(self.teacher_abstract, self.teacher_shardings)
+
+    def abstract_batch(self, batch_size: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
+        """A step batch [A, B, T] (A = train.grad_accum_steps), plus the cached teacher's top-k."""
+        a, sh = self.cfg.train.grad_accum_steps, self.batch_sharding
+        field = jax.ShapeDtypeStruct((a, batch_size, seq_len), jnp.int32, sharding=sh)
+        batch = dict.fromkeys(BATCH_FIELDS, field)
+        if self.spec.cached_teacher:
+            k = self.cfg.train.teacher_topk
+            batch["teacher_topk_logp"] = jax.ShapeDtypeStruct((a, batch_size, seq_len, k), jnp.float32,
+                                                              sharding=sh)
+            batch["teacher_topk_ids"] = jax.ShapeDtypeStruct((a, batch_size, seq_len, k), jnp.int32,
+                                                             sharding=sh)
+        return batch
+
+
+def build_program(cfg: Config, mesh: Mesh) -> TrainProgram:
+    """Everything the train step is made of, for `cfg` on `mesh` (real or deviceless)."""
+    tc = cfg.train
+    parallel = parallel_for(mesh)
+    spec = LossSpec.from_train(tc, cached_teacher=uses_teacher_cache(tc))
+    s_cfg, t_cfg = student_config(cfg), teacher_config(cfg)
+    s_graph, s_abs = abstract_params(s_cfg)
+    t_graph, t_abs = abstract_params(t_cfg)
+    schedule = lr_schedule(tc)
+    tx = make_optimizer(tc, s_abs)
+    shardings = step_shardings(s_abs, tx, mesh, tc.zero1)
+    step = make_train_step(spec, s_graph, t_graph if spec.needs_teacher_model else None, tx, schedule,
+                           parallel, shardings)
+    return TrainProgram(cfg=cfg, mesh=mesh, parallel=parallel, spec=spec, student_cfg=s_cfg,
+                        teacher_cfg=t_cfg, student_graph=s_graph, teacher_graph=t_graph,
+                        student_abstract=s_abs, teacher_abstract=t_abs, tx=tx, schedule=schedule,
+                        shardings=shardings, teacher_shardings=param_shardings(t_abs, mesh, "ep"),
+                        train_step=step)
+
+
+def abstract_train_step(cfg: Config, mesh: Mesh, seqs_per_device: int, seq_len: int) -> tuple[Any, tuple]:
+    """(the jitted train step `train.py` runs, its abstract arguments) for `cfg` on `mesh`.
+
+    Arguments: (state with ZeRO-1 optimizer-state shardings, teacher params in `train.teacher_dtype`
+    or None when the loss needs no teacher, batch [A, B, T] with B = seqs_per_device x data x expert,
+    loss_scale). `step.lower(*args).compile()` builds the trainer's program without any device.
+    """
+    prog = build_program(cfg, mesh)
+    batch = prog.abstract_batch(seqs_per_device * batch_devices(mesh), seq_len)
+    loss_scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=prog.shardings.scalar)
+    return prog.train_step, (prog.abstract_state(), prog.abstract_teacher(), batch, loss_scale)

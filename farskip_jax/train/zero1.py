@@ -1,0 +1,67 @@
+"""ZeRO-1 layouts: the optimizer state of replicated weights split over the batch devices.
+
+Under expert parallelism every non-expert weight (DeepSeek-V2-Lite: ~1.4B parameters) is
+replicated on all `data x expert` devices, and so would be its fp32 AdamW state (2 x 4 bytes per
+parameter, ~11 GB per device). ZeRO-1 keeps the weights replicated (attention needs them whole)
+but gives each batch device 1/N of every such weight's optimizer state and of its update: the
+gradient's data-parallel sum becomes a reduce-scatter (same bytes as the all-reduce it replaces,
+half of its two phases), AdamW runs on the local slice, and the new weights are all-gathered.
+Routed-expert weights are already split over `expert` and keep that layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from farskip_jax.parallel.mesh import BATCH_AXES, param_shardings
+from farskip_jax.train.step import StepShardings
+
+
+def batch_devices(mesh: Mesh) -> int:
+    """How many devices split the batch (the ZeRO-1 group)."""
+    shape = dict(mesh.shape)
+    return shape.get("data", 1) * shape.get("expert", 1)
+
+
+def zero1_spec(spec: P, shape: tuple[int, ...], num_devices: int) -> P:
+    """`spec` for a replicated leaf split over BATCH_AXES along its leading-most axis divisible by
+    `num_devices`; any other leaf (already sharded, or no divisible axis) keeps `spec`.
+
+    The leading-most axis is preferred because a row-major array's slices along it are contiguous,
+    so the reduce-scatter and all-gather move whole blocks without a transpose.
+    """
+    if num_devices <= 1 or any(axis is not None for axis in spec):
+        return spec
+    for i, size in enumerate(shape):
+        if size >= num_devices and size % num_devices == 0:
+            parts: list[Any] = [None] * len(shape)
+            parts[i] = BATCH_AXES
+            return P(*parts)
+    return spec
+
+
+def grad_shardings(abstract_params: Any, shardings: Any, mesh: Mesh) -> Any:
+    """The ZeRO-1 layout of gradients and of the update arithmetic, a tree like `shardings`."""
+    n = batch_devices(mesh)
+    return jax.tree.map(lambda x, s: NamedSharding(mesh, zero1_spec(s.spec, tuple(x.shape), n)),
+                        abstract_params, shardings)
+
+
+def step_shardings(abstract_params: Any, tx: optax.GradientTransformation, mesh: Mesh,
+                   zero1: bool) -> StepShardings:
+    """Every layout of the train step's state: EP parameters, gradients and optimizer state (ZeRO-1
+    split when `zero1`, else the parameters' own layout), replicated scalars."""
+    params = param_shardings(abstract_params, mesh, "ep")
+    grads = grad_shardings(abstract_params, params, mesh) if zero1 else params
+    replicated = NamedSharding(mesh, P())
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    # Each copy of the parameter tree inside the optimizer state (Adam's mu and nu) takes the
+    # gradients' layout; counters and other non-parameter leaves are replicated.
+    opt = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, grads,
+                                transform_non_params=lambda _: replicated)
+    return StepShardings(params=params, grads=grads, opt_state=opt, scalar=replicated)
