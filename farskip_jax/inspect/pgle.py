@@ -43,24 +43,26 @@ the profile for every compile (this module does; it never reuses one).
 
 Replacing the synthetic profile with a measured one (real MI300X):
 
-* Automatic: ``jax.config.update("jax_enable_pgle", True)`` with ``jax_pgle_profiling_runs=N``
-  (and ``JAX_PGLE_AGGREGATION_PERCENTILE``): JAX profiles the first N executions of each jitted
-  function and recompiles with the collected costs (JAX docs, gpu_performance_tips.md "Auto and
-  manual PGLE").
-* Manual: run a few steps under ``jax.profiler.trace(logdir)`` (or ``jax.profiler.ProfileOptions``
-  with a ``ProfileData`` capture), convert with
-  ``jax.experimental.profiler.get_profiled_instructions_proto(logdir)`` and write the proto as
-  ``<dir>/<fingerprint>.pbtxt`` (``fingerprint_before_lhs`` from a dump of the same compile, as in
-  step 1) or as one file; pass it with ``xla_gpu_pgle_profile_file_or_directory_path`` and keep
-  ``xla_gpu_pgle_accuracy_checker=PGLE_STRICTNESS_LEVEL_ERROR``. A measured profile has real
-  all-to-all times, including RCCL contention that this model ignores.
-* ROCm caveat (shared/XLA_SCHEDULING.md section 2): profile *collection* was broken on ROCm through
-  jaxlib 0.9.x (ROCm/jax#791, #788, #790: the XPlane trace lacks the annotations that
-  ``ConvertXplaneToProfiledInstructionsProto`` needs, so the converted proto comes out empty or
-  partial). Check that the converted profile names every instruction (the strict checker will) before
-  trusting it; until collection works on the installed ROCm/jaxlib, this synthetic profile is the
-  usable route, and one measured per-op table (GEMM and all-to-all microbenchmarks on the real
-  machine) can replace the roofline numbers by feeding ``profile_costs`` different HARDWARE values.
+* Automatic PGLE: ``jax.config.update("jax_enable_pgle", True)`` and
+  ``jax.config.update("jax_pgle_profiling_runs", N)`` (optionally ``jax_pgle_aggregation_percentile``):
+  JAX profiles the first N executions of each jitted function and recompiles it with the collected
+  costs passed as the compile's ``fdo_profile`` (JAX docs, gpu_performance_tips.md "Auto and manual
+  PGLE"). Nothing here is needed then; set ``xla_gpu_pgle_accuracy_checker=PGLE_STRICTNESS_LEVEL_WARN``
+  in XLA_FLAGS to see which instructions the measured profile missed.
+* Manual: run a few steps under ``jax.profiler.trace(logdir)``, then
+  ``jax.experimental.profiler.get_profiled_instructions_proto(<logdir>/plugin/profile/<run>/)``
+  returns the *binary* proto: write it as ``<dir>/<fingerprint_before_lhs>.pb`` (fingerprint from a
+  dump of the same compile, as in step 1; ``module_fingerprint`` reads it) or as one ``*.pb`` file,
+  and pass that as ``xla_gpu_pgle_profile_file_or_directory_path`` together with
+  ``STRICT_OPTIONS``. Compile with exactly the options of the profiled run, or names won't match.
+* ROCm caveats (shared/XLA_SCHEDULING.md section 2): JAX documents the converter as non-empty "only
+  when running on Nvidia GPU", and profile *collection* was broken on ROCm through jaxlib 0.9.x
+  (ROCm/jax#791, #788, #790: the XPlane trace lacks the annotations that
+  ``ConvertXplaneToProfiledInstructionsProto`` needs, so the proto comes out empty or partial).
+  Check a measured ROCm profile with the strict checker before trusting it; an empty one makes the
+  estimator fall back to T-shirt units everywhere. Until collection works on the installed
+  ROCm/jaxlib, this synthetic profile is the usable route; numbers from real-MI300X GEMM and RCCL
+  all-to-all microbenchmarks can replace the datasheet figures in ``hlo.HARDWARE["mi300x"]``.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ from pathlib import Path
 from typing import Any
 
 from farskip_jax.inspect import aot, hlo
-from farskip_jax.inspect.hlo_parse import HloModule, Instr, parse_hlo, shape_bytes
+from farskip_jax.inspect.hlo_parse import Computation, HloModule, Instr, parse_hlo, shape_bytes
 
 # The first pass of XLA:GPU's "latency-hiding-scheduler" pipeline; its output is what the PGLE
 # accuracy checker and the scheduler see (xla/service/gpu/gpu_hlo_schedule.cc,
@@ -99,7 +101,7 @@ def module_fingerprint(hlo_text: str) -> str:
     return m.group(1)
 
 
-def _done_of(comp: Any, mod: HloModule) -> dict[str, Instr]:
+def _done_of(comp: Computation, mod: HloModule) -> dict[str, Instr]:
     """start name -> its done instruction (the done's shape is the collective's result)."""
     out = {}
     for ins in comp.instrs:
@@ -115,7 +117,7 @@ def _wrapped(mod: HloModule, ins: Instr) -> Instr | None:
     return sub.root if sub is not None else None
 
 
-def instruction_cost_us(an: Any, comp: Any, ins: Instr, done: Instr | None) -> float | None:
+def instruction_cost_us(an: Any, comp: Computation, ins: Instr, done: Instr | None) -> float | None:
     """The PGLE cost of one scheduled instruction in microseconds; None = leave it out.
 
     ``an`` is the inspector's cost model (``hlo._Analyzer``) for the module.
@@ -206,13 +208,13 @@ def scheduler_entry_hlo(jitted_fn: Any, *arg_specs: Any, target: str,
         art = aot.compile_scheduled_hlo(jitted_fn, *arg_specs, target=target, compiler_options=opts,
                                         default_options=default_options,
                                         dump_lhs_schedule=dump_lhs_schedule, dump_dir=dump)
-        files = sorted(glob.glob(os.path.join(dump, f"*after_{SCHEDULER_ENTRY_PASS}*.txt")),
-                       key=os.path.getmtime)
+        files = glob.glob(os.path.join(dump, f"*after_{SCHEDULER_ENTRY_PASS}*.txt"))
         if not files:
             raise PgleError(f"XLA wrote no dump after {SCHEDULER_ENTRY_PASS} (is the latency-hiding "
                             "scheduler enabled? it runs only with xla_gpu_enable_latency_hiding_scheduler"
                             "=true on ROCm); dump dir had: " + ", ".join(sorted(os.listdir(dump))[:20]))
-        text = Path(files[-1]).read_text()
+        # one file per scheduled module; the step is the largest (any helper module is tiny)
+        text = Path(max(files, key=os.path.getsize)).read_text()
     art.compiler_options.pop("xla_dump_hlo_pass_re", None)
     return art, text
 
