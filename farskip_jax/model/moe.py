@@ -1,32 +1,36 @@
-"""DeepSeek-V2 MoE: router, shared experts, routed experts behind capacity buffers.
+"""DeepSeek-V2 MoE: router, shared experts, routed experts.
 
 Shape legend: N tokens (batch x sequence, flattened), D model width, F expert width, E experts
-(local experts under expert/tensor parallelism), K experts per token, C capacity per expert.
+(local experts under expert/tensor parallelism), K experts per token.
 
-The routed-expert computation is a function argument (`routed_fn`): the single-device path
-packs tokens into per-expert buffers and runs a grouped matmul here; the expert-parallel path
-(`farskip_jax.parallel`) wraps the same pack / grouped matmul / unpack pieces around its
-all-to-alls. Nothing in this file names a mesh axis.
+The routed-expert computation is a function argument (`routed_fn`): the single-device path sorts
+the (token, choice) assignments by expert and runs a grouped matmul (model/dispatch.py); the
+expert- and tensor-parallel paths (`farskip_jax.parallel`) use the same dispatch pieces around
+their collectives. Nothing in this file names a mesh axis.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from farskip_jax.config import ModelConfig
+from farskip_jax.model.dispatch import drop_over_capacity, routed_experts, rows_per_expert
 from farskip_jax.model.layers import DTYPES, MLP, normal_init
 
 
-class Routing(NamedTuple):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Routing:
     weights_nk: jax.Array  # fp32 combine weights of the selected experts
     experts_nk: jax.Array  # int32 global expert ids
-    aux: dict[str, jax.Array]  # balance losses, dropped fraction
+    aux: dict[str, jax.Array]  # balance losses
+    # Tokens per sequence (static): capacity is per (sequence, expert), see dispatch.py.
+    seq_len: int = dataclasses.field(metadata={"static": True})
 
 
 def route(x_nd: jax.Array, router_de: jax.Array, cfg: ModelConfig, seq_len: int) -> Routing:
@@ -47,7 +51,7 @@ def route(x_nd: jax.Array, router_de: jax.Array, cfg: ModelConfig, seq_len: int)
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     else:
         weights = weights * cfg.routed_scaling_factor
-    return Routing(weights, experts.astype(jnp.int32), balance_losses(scores, experts, cfg, seq_len))
+    return Routing(weights, experts.astype(jnp.int32), balance_losses(scores, experts, cfg, seq_len), seq_len)
 
 
 def balance_losses(scores_ne: jax.Array, experts_nk: jax.Array, cfg: ModelConfig,
@@ -70,60 +74,6 @@ def balance_losses(scores_ne: jax.Array, experts_nk: jax.Array, cfg: ModelConfig
     return {"expert_balance_loss": expert_loss, "device_balance_loss": device_loss}
 
 
-# --------------------------------------------------------------------------------------------
-# Token <-> per-expert buffer packing (shared by the single-device and expert-parallel paths)
-
-
-def expert_capacity(num_tokens: int, cfg: ModelConfig) -> int:
-    """Slots per expert; dropless (every token could pick the same expert) when factor <= 0."""
-    if cfg.capacity_factor <= 0:
-        return num_tokens
-    c = math.ceil(cfg.capacity_factor * num_tokens * cfg.num_experts_per_tok / cfg.n_routed_experts)
-    return max(1, min(c, num_tokens))
-
-
-class Slots(NamedTuple):
-    slot_nk: jax.Array  # position of each (token, choice) inside its expert's buffer
-    keep_nk: jax.Array  # False where the expert's buffer was full (token dropped for that expert)
-
-
-def assign_slots(experts_nk: jax.Array, num_experts: int, capacity: int) -> Slots:
-    """First come, first served in token order: the same rule on every device and path."""
-    n, k = experts_nk.shape
-    onehot = jax.nn.one_hot(experts_nk.reshape(-1), num_experts, dtype=jnp.int32)  # [N*K, E]
-    position = jnp.cumsum(onehot, axis=0) - 1
-    slot = jnp.take_along_axis(position, experts_nk.reshape(-1, 1), axis=1).reshape(n, k)
-    return Slots(slot, slot < capacity)
-
-
-def pack(x_nd: jax.Array, experts_nk: jax.Array, slots: Slots, num_experts: int, capacity: int) -> jax.Array:
-    """Scatters each token into its experts' buffers: [E, C, D]; overflow is dropped."""
-    n, k = experts_nk.shape
-    rows = jnp.broadcast_to(x_nd[:, None, :], (n, k, x_nd.shape[-1]))
-    buf = jnp.zeros((num_experts, capacity, x_nd.shape[-1]), x_nd.dtype)
-    return buf.at[experts_nk, slots.slot_nk].set(rows, mode="drop")
-
-
-def unpack(y_ecd: jax.Array, experts_nk: jax.Array, slots: Slots, weights_nk: jax.Array) -> jax.Array:
-    """Gathers each token's expert outputs and sums them with the router weights: [N, D]."""
-    capacity = y_ecd.shape[1]
-    rows = y_ecd[experts_nk, jnp.minimum(slots.slot_nk, capacity - 1)]  # [N, K, D]
-    w = jnp.where(slots.keep_nk, weights_nk, 0.0).astype(rows.dtype)
-    return jnp.einsum("nkd,nk->nd", rows, w)
-
-
-def grouped_ffn(x_ecd: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """SwiGLU per expert as a batched (padded) einsum over the capacity buffer.
-
-    A padded einsum rather than jax.lax.ragged_dot: it has static shapes, runs on CPU, CUDA and
-    ROCm alike, and ragged_dot's GPU lowering pads to the worst case anyway (ECOSYSTEM.md 1.3).
-    """
-    dt = x_ecd.dtype
-    g = jnp.einsum("ecd,edf->ecf", x_ecd, w_gate.astype(dt))
-    u = jnp.einsum("ecd,edf->ecf", x_ecd, w_up.astype(dt))
-    return jnp.einsum("ecf,efd->ecd", jax.nn.silu(g) * u, w_down.astype(dt))
-
-
 class RoutedExperts(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         pd = DTYPES[cfg.param_dtype]
@@ -138,15 +88,13 @@ RoutedFn = Callable[[jax.Array, Routing, RoutedExperts, ModelConfig], tuple[jax.
 
 def local_routed(x_nd: jax.Array, routing: Routing, experts: RoutedExperts,
                  cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """All experts on this device: pack, grouped matmul, unpack. Returns (routed [N, D], dropped)."""
-    e = cfg.n_routed_experts
-    cap = expert_capacity(x_nd.shape[0], cfg)
-    slots = assign_slots(routing.experts_nk, e, cap)
+    """All experts on this device: sort, grouped matmul, un-sort. Returns (routed [N, D], dropped)."""
+    ids_nk, dropped = drop_over_capacity(routing.experts_nk, routing.weights_nk, routing.seq_len, cfg)
     with jax.named_scope("experts"):
-        buf = pack(x_nd, routing.experts_nk, slots, e, cap)
-        out = grouped_ffn(buf, experts.w_gate[...], experts.w_up[...], experts.w_down[...])
-        routed = unpack(out, routing.experts_nk, slots, routing.weights_nk)
-    return routed, jnp.mean((~slots.keep_nk).astype(jnp.float32))
+        routed = routed_experts(x_nd, ids_nk, routing.weights_nk, experts.w_gate[...], experts.w_up[...],
+                                experts.w_down[...], cfg.expert_matmul,
+                                rows_per_expert(x_nd.shape[0], routing.seq_len, cfg))
+    return routed, dropped
 
 
 class MoE(nnx.Module):

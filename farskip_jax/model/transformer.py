@@ -14,6 +14,7 @@ from flax import nnx
 
 from farskip_jax.config import ModelConfig
 from farskip_jax.model.attention import MLAttention
+from farskip_jax.model.dispatch import A2A_NAMES
 from farskip_jax.model.farskip import Connectivity, FFNOut, ReduceFn, layer_connectivity, residual_step
 from farskip_jax.model.layers import DTYPES, MLP, RMSNorm, normal_init
 from farskip_jax.model.moe import MoE, RoutedFn, local_routed
@@ -137,6 +138,12 @@ def _maybe_remat(layer: DecoderLayer, policy: str):
     kwargs = {}
     if policy == "save_dots":
         kwargs["policy"] = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    elif policy == "save_a2a":
+        # Keep only what the all-to-alls received: the recomputed forward then needs no collective
+        # (backward all-to-alls = the transposes of Dispatch and Combine only).
+        kwargs["policy"] = jax.checkpoint_policies.save_only_these_names(*A2A_NAMES)
+    elif policy != "full":
+        raise ValueError(f"remat={policy!r}: expected none, full, save_dots or save_a2a")
     return _RematCall(layer, kwargs)
 
 

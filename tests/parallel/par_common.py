@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from farskip_jax.config import ModelConfig, load_config
@@ -37,10 +39,40 @@ def run_fast(fn: Any, *args: Any) -> Any:
 def max_abs_err(a: Any, b: Any) -> float:
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     assert len(la) == len(lb)
-    return max(float(jnp.max(jnp.abs(jnp.asarray(x, jnp.float32) - jnp.asarray(y, jnp.float32))))
+    # numpy: the operands may live on different device sets (sharded vs one device)
+    return max(float(np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32))))
                for x, y in zip(la, lb, strict=True))
 
 
 def record(test: str, case: str, quantity: str, err: float) -> None:
     RESULTS.append((test, case, quantity, err))
     print(f"PARALLEL_ERR test={test} case={case} {quantity} max_abs_err={err:.3e}")
+
+
+def emulated_ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.Array,
+                               send_sizes: jax.Array, output_offsets: jax.Array, recv_sizes: jax.Array, *,
+                               axis_name: str, axis_index_groups: Any = None) -> jax.Array:
+    """`jax.lax.ragged_all_to_all` as its docstring defines it, from plain all_to_alls (XLA:CPU has
+    no ragged-all-to-all), for one slice per peer: checks the offsets and sizes a caller passes."""
+    assert axis_index_groups is None
+    peers, m = input_offsets.shape[0], operand.shape[0]
+    padded = jnp.concatenate([operand, jnp.zeros_like(operand)])  # any slice of <= m rows fits
+    chunks = jax.vmap(lambda off: jax.lax.dynamic_slice_in_dim(padded, off, m))(input_offsets)
+    rows = jnp.arange(m)
+    chunks = jnp.where((rows[None, :] < send_sizes[:, None])[..., None], chunks, 0)
+    received = jax.lax.all_to_all(chunks, axis_name, 0, 0)  # [peers, m, ...] from each source
+    # Where each source's slice lands here: its output_offsets entry for this rank.
+    landing = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+    out_rows = jnp.arange(output.shape[0])
+    result = output
+    for s in range(peers):
+        inside = (out_rows >= landing[s]) & (out_rows < landing[s] + recv_sizes[s])
+        src = jnp.clip(out_rows - landing[s], 0, m - 1)
+        result = jnp.where(inside[:, None], received[s][src], result)
+    return result
+
+
+def count_ops(hlo_text: str, opcode: str) -> int:
+    """Instructions of `opcode` (or its async `-start`) in HLO text."""
+    pattern = re.compile(rf"^\s*(ROOT )?%\S+ = .*?\s{re.escape(opcode)}(-start)?\(")
+    return sum(1 for line in hlo_text.splitlines() if pattern.match(line))

@@ -1,15 +1,18 @@
-"""Token dropping under expert parallelism with adversarial routing.
+"""Capacity mode (capacity_factor > 0): which assignments are dropped, on one device and EP=8.
 
-Capacity is per source shard and per expert (`expert_capacity` of the shard's token count),
-slots are first come, first served in token order (`assign_slots`). The expected drops are
-counted here independently, in numpy, from the routing alone.
+The rule (model/dispatch.py): ceil(cf * T * K / E) assignments per expert per sequence; inside
+each (sequence, expert) the highest router weights are kept, ties going to the lower token index.
+Sequences are never split across devices, so one device and any EP mesh drop the same ones. The
+expected drops are computed here independently, in numpy, from the routing alone.
 
-Model level: every router kernel is zero, so all scores tie and every token picks experts 0 and
-1 (lax.top_k keeps the lower index on ties): the whole batch goes to two experts. A forward +
-backward EP step runs and its `dropped_fraction` equals the numpy count.
-MoE level: inputs share a direction u and the router's columns 5 and 6 are multiples of u (a
-"huge column"), so every token picks (5, 6). Dropped tokens get exactly zero routed output,
-kept ones the expert SwiGLU of their token (computed here token by token), and the shared
+Model level: forward + backward on one device and on EP=8 give the same `dropped_fraction`,
+logits and gradients. With every router kernel zero all scores tie and every token picks
+experts 0 and 1 (lax.top_k keeps the lower index on ties): the numpy count decides by token index.
+With random routers the drops are whatever they are, but the same on both.
+MoE level: inputs share a direction u and the router's columns 5 and 6 are multiples of u, so
+every token picks (5, 6), with weights that differ from token to token. The kept assignments are
+exactly the highest-weight ones (not the first-come ones): dropped tokens get exactly zero routed
+output, kept ones the expert SwiGLU of their token (computed here token by token), and the shared
 expert is applied to every token.
 """
 
@@ -22,10 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from par_common import FAST, record, run_fast, tiny
+from par_common import FAST, max_abs_err, record, run_fast, tiny
 
 from farskip_jax.config import MeshConfig
-from farskip_jax.model.moe import expert_capacity, route
+from farskip_jax.model.dispatch import expert_capacity
+from farskip_jax.model.moe import local_routed, route
 from farskip_jax.model.transformer import build_model
 from farskip_jax.parallel import ExpertParallel, batch_sharding, make_mesh, place
 
@@ -33,25 +37,24 @@ B, T = 8, 16
 CAPACITY_FACTOR = 0.5
 
 
-def fcfs_keep(experts_nk: np.ndarray, shards: int, capacity: int) -> np.ndarray:
-    """Per shard, in token order then choice order: keep while the expert has a free slot."""
+def numpy_keep(experts_nk: np.ndarray, weights_nk: np.ndarray, seq_len: int, capacity: int) -> np.ndarray:
+    """Per sequence and expert: keep the `capacity` assignments of largest weight, then lowest token."""
     n, k = experts_nk.shape
     keep = np.zeros((n, k), bool)
-    per = n // shards
-    for s in range(shards):
-        used: dict[int, int] = {}
-        for i in range(s * per, (s + 1) * per):
+    for start in range(0, n, seq_len):
+        cands: dict[int, list[tuple[float, int, int]]] = {}
+        for i in range(start, start + seq_len):
             for j in range(k):
-                e = int(experts_nk[i, j])
-                keep[i, j] = used.get(e, 0) < capacity
-                used[e] = used.get(e, 0) + 1
+                cands.setdefault(int(experts_nk[i, j]), []).append((-float(weights_nk[i, j]), i, j))
+        for rows in cands.values():
+            for _, i, j in sorted(rows)[:capacity]:
+                keep[i, j] = True
     return keep
 
 
-def capacity(tokens_per_shard: int, cfg) -> int:
+def capacity(cfg) -> int:
     """The capacity rule written out (cross-checks `expert_capacity`)."""
-    c = math.ceil(cfg.capacity_factor * tokens_per_shard * cfg.num_experts_per_tok / cfg.n_routed_experts)
-    return max(1, min(c, tokens_per_shard))
+    return max(1, min(math.ceil(cfg.capacity_factor * T * cfg.num_experts_per_tok / cfg.n_routed_experts), T))
 
 
 @pytest.fixture(scope="module")
@@ -59,64 +62,85 @@ def mesh():
     return make_mesh(MeshConfig(expert=8))
 
 
-def test_step_reports_independent_drop_count(mesh):
+@pytest.mark.parametrize("routers", ["zero", "random"])
+def test_step_drops_the_same_on_one_device_and_ep(mesh, routers):
     cfg = tiny(True, num_layers=3, capacity_factor=CAPACITY_FACTOR)
     model = build_model(cfg)
-    for i, layer in enumerate(model.layers):
-        if cfg.is_moe_layer(i):
-            layer.moe.router[...] = jnp.zeros_like(layer.moe.router[...])
+    if routers == "zero":
+        for i, layer in enumerate(model.layers):
+            if cfg.is_moe_layer(i):
+                layer.moe.router[...] = jnp.zeros_like(layer.moe.router[...])
     graphdef, state = nnx.split(model, nnx.Param)
     par = ExpertParallel(mesh)
     ids = jax.random.randint(jax.random.key(3), (B, T), 0, cfg.vocab_size)
 
-    def loss(s, ids):
-        out = nnx.merge(graphdef, s)(ids, parallel=par)
-        return jnp.mean(out.logits ** 2), out.aux
+    def step(parallel):
+        def loss(s, ids):
+            out = nnx.merge(graphdef, s)(ids, parallel=parallel)
+            return jnp.mean(out.logits ** 2), (out.logits, out.aux["dropped_fraction"])
 
-    (value, aux), grads = run_fast(jax.value_and_grad(loss, has_aux=True), place(state, mesh, "ep"),
-                                   jax.device_put(ids, batch_sharding(mesh)))
-    shards = mesh.shape["data"] * mesh.shape["expert"]
-    experts = np.tile(np.arange(cfg.num_experts_per_tok), (B * T, 1))  # the tie-broken choice
-    assert capacity(B * T // shards, cfg) == expert_capacity(B * T // shards, cfg) == 2
-    keep = fcfs_keep(experts, shards, capacity(B * T // shards, cfg))
-    expected = 1.0 - keep.mean()  # the same in every MoE layer
-    measured = float(aux["dropped_fraction"])
-    record("drops", "step/farskip/ep8", "dropped_fraction", abs(measured - expected))
-    print(f"PARALLEL_DROPS expected={expected:.6f} measured={measured:.6f}")
-    assert expected > 0.5  # the case is adversarial
-    assert measured == pytest.approx(expected, abs=1e-6)
-    assert np.isfinite(float(value))
-    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+        return jax.value_and_grad(loss, has_aux=True)
+
+    (_, (logits_1, dropped_1)), grads_1 = run_fast(step(None), state, ids)
+    (_, (logits_ep, dropped_ep)), grads_ep = run_fast(step(par), place(state, mesh, "ep"),
+                                                      jax.device_put(ids, batch_sharding(mesh)))
+    measured = {"one_device": float(dropped_1), "ep8": float(dropped_ep)}
+    print(f"PARALLEL_DROPS routers={routers} {measured}")
+    assert measured["one_device"] == measured["ep8"]
+    if routers == "zero":
+        assert capacity(cfg) == expert_capacity(T, cfg) == 2
+        experts = np.tile(np.arange(cfg.num_experts_per_tok), (B * T, 1))  # the tie-broken choice
+        weights = np.full(experts.shape, 1.0 / cfg.n_routed_experts)
+        expected = 1.0 - numpy_keep(experts, weights, T, capacity(cfg)).mean()  # the same in every layer
+        record("drops", "step/zero_router", "dropped_fraction", abs(measured["ep8"] - expected))
+        assert expected == pytest.approx(0.875)  # the case is adversarial
+        assert measured["ep8"] == pytest.approx(expected, abs=1e-6)
+    else:
+        assert 0.05 < measured["ep8"] < 0.95
+    err_logits, err_grads = max_abs_err(logits_ep, logits_1), max_abs_err(grads_ep, grads_1)
+    record("drops", f"step/{routers}_router/ep8", "logits", err_logits)
+    record("drops", f"step/{routers}_router/ep8", "grads", err_grads)
+    assert err_logits <= 1e-5 and err_grads <= 1e-5
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads_ep))
 
 
-def test_dropped_tokens_get_zero_routed_output(mesh):
+@pytest.fixture(scope="module")
+def huge_column_moe():
     cfg = tiny(True, num_layers=2, capacity_factor=CAPACITY_FACTOR)
-    model = build_model(cfg, seed=1)
-    moe = model.layers[1].moe
+    moe = build_model(cfg, seed=1).layers[1].moe
     d = cfg.hidden_size
     u = jnp.ones((d,)) / math.sqrt(d)
     x = 3.0 * u + 0.1 * jax.random.normal(jax.random.key(4), (B, T, d))
-    router = jnp.zeros((d, cfg.n_routed_experts)).at[:, 5].set(4.0 * u).at[:, 6].set(3.0 * u)
-    moe.router[...] = router
+    moe.router[...] = jnp.zeros((d, cfg.n_routed_experts)).at[:, 5].set(4.0 * u).at[:, 6].set(3.0 * u)
+    x_nd = np.asarray(x).reshape(B * T, d)
+    routing = jax.jit(lambda x: route(x, moe.router[...], cfg, T)).lower(x_nd).compile(FAST)(x_nd)
+    experts, weights = np.asarray(routing.experts_nk), np.asarray(routing.weights_nk)
+    assert (experts == np.array([5, 6])).all()  # every token to the same two experts
+    keep = numpy_keep(experts, weights, T, capacity(cfg))
+    # Meaningful: highest-weight is not first-come (the first `capacity` tokens of each sequence).
+    first_come = np.zeros_like(keep)
+    first_come.reshape(B, T, -1)[:, :capacity(cfg)] = True
+    assert (keep != first_come).any()
+    return cfg, moe, x, x_nd, experts, weights, keep
+
+
+@pytest.mark.parametrize("where", ["one_device", "ep8"])
+def test_dropped_are_the_lowest_weight_and_get_zero(mesh, huge_column_moe, where):
+    cfg, moe, x, x_nd, experts, weights, keep = huge_column_moe
     graphdef, state = nnx.split(moe, nnx.Param)
-    par = ExpertParallel(mesh)
+    routed_fn = ExpertParallel(mesh).routed_fn if where == "ep8" else local_routed
 
     def call(s, x):
         m = nnx.merge(graphdef, s)
-        shared, routed, aux = m(x, par.routed_fn)
+        shared, routed, aux = m(x, routed_fn)
         return shared, routed, aux["dropped_fraction"], m.shared(x)
 
-    x_sharded = jax.device_put(x, batch_sharding(mesh))
-    shared, routed, dropped, shared_ref = run_fast(call, place(state, mesh, "ep"), x_sharded)
-
-    x_nd = np.asarray(x).reshape(B * T, d)
-    routing = jax.jit(lambda x: route(x, router, cfg, T)).lower(x_nd).compile(FAST)(x_nd)
-    experts, weights = np.asarray(routing.experts_nk), np.asarray(routing.weights_nk)
-    assert (experts == np.array([5, 6])).all()  # every token to the same two experts
-    shards = mesh.shape["expert"]
-    keep = fcfs_keep(experts, shards, capacity(B * T // shards, cfg))
+    if where == "ep8":
+        state, x = place(state, mesh, "ep"), jax.device_put(x, batch_sharding(mesh))
+    shared, routed, dropped, shared_ref = run_fast(call, state, x)
     assert float(dropped) == pytest.approx(1.0 - keep.mean(), abs=1e-6)
 
+    d = cfg.hidden_size
     routed_nd = np.asarray(routed).reshape(B * T, d)
     gate, up, down = (np.asarray(moe.experts.w_gate[...]), np.asarray(moe.experts.w_up[...]),
                       np.asarray(moe.experts.w_down[...]))
@@ -128,11 +152,11 @@ def test_dropped_tokens_get_zero_routed_output(mesh):
                 g, h = x_nd[n] @ gate[e], x_nd[n] @ up[e]
                 expected[n] += weights[n, j] * ((g / (1 + np.exp(-g)) * h) @ down[e])
     all_dropped = ~keep.any(axis=1)
-    assert all_dropped.sum() > B * T // 2 and keep.all(axis=1).sum() > 0
+    assert all_dropped.sum() > B * T // 2 and (keep.sum(axis=1) == 1).sum() > 0
     assert (routed_nd[all_dropped] == 0).all()  # exactly zero, not just small
     assert (np.abs(routed_nd[~all_dropped]).max(axis=-1) > 0).all()
     err = float(np.abs(routed_nd - expected).max())
-    record("drops", "moe/ep8", "routed_vs_per_token_reference", err)
+    record("drops", f"moe/{where}", "routed_vs_per_token_reference", err)
     assert err <= 1e-5
     shared_nd = np.asarray(shared).reshape(B * T, d)
     assert np.abs(shared_nd[all_dropped]).sum(axis=-1).min() > 0  # shared expert still applied

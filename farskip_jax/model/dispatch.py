@@ -1,0 +1,160 @@
+"""Sort-based token dispatch for the routed experts: permutation, grouped GEMM, un-permutation.
+
+Shape legend as in model/moe.py, plus A = N*K assignments (token, choice) in row-major order,
+R rows of an expert-sorted buffer, G groups (the experts a grouped GEMM runs), C rows per group
+of the padded buffer, S sequences.
+
+One implementation for every path (one device here, expert and tensor parallel in
+farskip_jax.parallel.collectives):
+  1. `drop_over_capacity`: with capacity_factor > 0, each (sequence, expert) keeps its
+     highest-router-weight assignments; dropped ones get the sentinel id E.
+  2. `sort_by_group`: stable argsort of the assignments by expert id; group boundaries come from
+     the sorted ids (a segment count, no [A, E] one-hot); the inverse permutation is an int scatter.
+  3. `grouped_ffn`: SwiGLU over the sorted rows, `jax.lax.ragged_dot` or a padded [G, C, D] buffer.
+  4. `weighted_sum`: expert outputs back in (token, choice) order, summed with the router weights.
+Ids >= G (dropped, or owned by another tensor-parallel rank) sort after every group and are
+counted in none, so the same code skips them everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from farskip_jax.config import ModelConfig
+
+ExpertMatmul = Literal["ragged", "padded"]
+
+# checkpoint_name tags of the expert-parallel all-to-all outputs (parallel/collectives.py);
+# remat="save_a2a" (model/transformer.py) saves exactly these.
+A2A_COUNTS, A2A_DISPATCH, A2A_COMBINE = "a2a_counts", "a2a_dispatch", "a2a_combine"
+A2A_NAMES = (A2A_COUNTS, A2A_DISPATCH, A2A_COMBINE)
+
+
+def expert_capacity(seq_len: int, cfg: ModelConfig) -> int:
+    """Assignments each expert keeps per sequence: ceil(cf * T * K / E); 0 means dropless."""
+    if cfg.capacity_factor <= 0:
+        return 0
+    c = math.ceil(cfg.capacity_factor * seq_len * cfg.num_experts_per_tok / cfg.n_routed_experts)
+    return max(1, min(c, seq_len))  # an expert sees each token at most once
+
+
+def rows_per_expert(num_tokens: int, seq_len: int, cfg: ModelConfig) -> int:
+    """Most rows `num_tokens` tokens (whole sequences) can send one expert: the padded buffer's C."""
+    cap = expert_capacity(seq_len, cfg)
+    return num_tokens if cap == 0 else (num_tokens // seq_len) * cap
+
+
+def capacity_keep(experts_nk: jax.Array, weights_nk: jax.Array, seq_len: int, capacity: int) -> jax.Array:
+    """Bool [N, K]: within each (sequence, expert) the `capacity` highest-weight assignments.
+
+    One stable sort per sequence by (expert, -weight) over its T*K assignments, which arrive in
+    (token, choice) order: equal weights keep token order, and since a token picks an expert at
+    most once, ties inside a (sequence, expert) are broken by token index. An assignment's rank in
+    its group is its sorted position minus the group's first position (a running max of starts).
+    The sort runs along one sequence: local to a device as long as no sequence is split.
+    """
+    n, k = experts_nk.shape
+    s, tk = n // seq_len, seq_len * k
+    pos_sa = jnp.broadcast_to(jnp.arange(tk, dtype=jnp.int32), (s, tk))
+    e_sorted, _, src_sa = jax.lax.sort(
+        (experts_nk.reshape(s, tk), -weights_nk.reshape(s, tk).astype(jnp.float32), pos_sa),
+        dimension=1, num_keys=2, is_stable=True)
+    is_start = jnp.concatenate([jnp.ones((s, 1), bool), e_sorted[:, 1:] != e_sorted[:, :-1]], axis=1)
+    group_first = jax.lax.cummax(jnp.where(is_start, pos_sa, 0), axis=1)
+    keep_sorted = pos_sa - group_first < capacity
+    keep_sa = jnp.zeros((s, tk), bool).at[jnp.arange(s)[:, None], src_sa].set(keep_sorted)
+    return keep_sa.reshape(n, k)
+
+
+def drop_over_capacity(experts_nk: jax.Array, weights_nk: jax.Array, seq_len: int,
+                       cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """(expert ids with dropped assignments set to E, this shard's dropped fraction)."""
+    cap = expert_capacity(seq_len, cfg)
+    if cap == 0:
+        return experts_nk, jnp.zeros((), jnp.float32)
+    if experts_nk.shape[0] % seq_len:
+        raise ValueError(f"{experts_nk.shape[0]} tokens are not whole sequences of {seq_len}: capacity is "
+                         "per sequence, so a sequence must not be split across devices")
+    keep_nk = capacity_keep(experts_nk, weights_nk, seq_len, cap)
+    ids_nk = jnp.where(keep_nk, experts_nk, cfg.n_routed_experts)
+    return ids_nk, 1.0 - jnp.mean(keep_nk.astype(jnp.float32))
+
+
+def group_starts(sorted_ids: jax.Array, num_groups: int) -> jax.Array:
+    """[G + 1]: first sorted row of each group; the last entry is the number of rows in groups."""
+    bounds = jnp.arange(num_groups + 1, dtype=sorted_ids.dtype)
+    # compare_all: one fused [G+1, R] comparison instead of a loop of binary-search steps
+    return jnp.searchsorted(sorted_ids, bounds, side="left", method="compare_all").astype(jnp.int32)
+
+
+def group_of_rows(starts_g: jax.Array, rows: jax.Array) -> jax.Array:
+    """Group of each sorted row; rows past the last group get G."""
+    return jnp.searchsorted(starts_g[1:], rows, side="right", method="compare_all").astype(jnp.int32)
+
+
+class Sorted(NamedTuple):
+    order_a: jax.Array  # [A] sorted row -> assignment index
+    inv_a: jax.Array  # [A] assignment index -> sorted row
+    starts_g: jax.Array  # [G + 1] group boundaries in sorted rows
+
+
+def sort_by_group(ids_a: jax.Array, num_groups: int) -> Sorted:
+    """Stable sort of the assignments by group id: rows of a group keep (token, choice) order."""
+    order = jnp.argsort(ids_a, stable=True).astype(jnp.int32)
+    inv = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
+    return Sorted(order, inv, group_starts(ids_a[order], num_groups))
+
+
+def grouped_ffn(x_rd: jax.Array, starts_g: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                w_down: jax.Array, matmul: ExpertMatmul, rows_per_group: int) -> jax.Array:
+    """SwiGLU silu(x Wg) * (x Wu) Wd of each group's rows with that group's weights: [R, D].
+
+    "ragged": three jax.lax.ragged_dot over the sorted rows. "padded": rows gathered into a
+    [G, C, D] buffer by position in group (C = `rows_per_group`, the most a group can hold),
+    a batched einsum, and the results gathered back. Rows past the last group are unspecified.
+    """
+    dt = x_rd.dtype
+    wg, wu, wd = w_gate.astype(dt), w_up.astype(dt), w_down.astype(dt)
+    if matmul == "ragged":
+        sizes_g = jnp.diff(starts_g)
+        h = jax.nn.silu(jax.lax.ragged_dot(x_rd, wg, sizes_g)) * jax.lax.ragged_dot(x_rd, wu, sizes_g)
+        return jax.lax.ragged_dot(h, wd, sizes_g)
+    if matmul != "padded":
+        raise ValueError(f"expert_matmul={matmul!r}: expected 'ragged' or 'padded'")
+    r, g, c = x_rd.shape[0], wg.shape[0], rows_per_group
+    slot_c = jnp.arange(c, dtype=jnp.int32)
+    src_gc = starts_g[:-1, None] + slot_c
+    filled_gc = src_gc < starts_g[1:, None]
+    x_gcd = jnp.where(filled_gc[..., None], x_rd[jnp.minimum(src_gc, r - 1)], 0)
+    h = jax.nn.silu(jnp.einsum("gcd,gdf->gcf", x_gcd, wg)) * jnp.einsum("gcd,gdf->gcf", x_gcd, wu)
+    y_gcd = jnp.einsum("gcf,gfd->gcd", h, wd)
+    rows = jnp.arange(r, dtype=jnp.int32)
+    group_r = jnp.minimum(group_of_rows(starts_g, rows), g - 1)
+    slot_r = jnp.clip(rows - starts_g[group_r], 0, c - 1)
+    return y_gcd.reshape(g * c, -1)[group_r * c + slot_r]
+
+
+def weighted_sum(y_nkd: jax.Array, valid_nk: jax.Array, weights_nk: jax.Array) -> jax.Array:
+    """DeepSeek's order: each expert output times its fp32 router weight, summed over K in fp32.
+
+    Invalid (dropped or foreign) rows are selected away, not multiplied by 0: they may hold
+    anything, and a dropped assignment's routed output must be exactly zero.
+    """
+    y = jnp.where(valid_nk[..., None], y_nkd, 0).astype(jnp.float32)
+    w = jnp.where(valid_nk, weights_nk, 0.0).astype(jnp.float32)
+    return jnp.sum(y * w[..., None], axis=1).astype(y_nkd.dtype)
+
+
+def routed_experts(x_nd: jax.Array, ids_nk: jax.Array, weights_nk: jax.Array, w_gate: jax.Array,
+                   w_up: jax.Array, w_down: jax.Array, matmul: ExpertMatmul,
+                   rows_per_group: int) -> jax.Array:
+    """Routed output [N, D] of the assignments to experts 0..G-1 of `w_*`; ids >= G are skipped."""
+    n, k = ids_nk.shape
+    num_groups = w_gate.shape[0]
+    srt = sort_by_group(ids_nk.reshape(-1), num_groups)
+    y_rd = grouped_ffn(x_nd[srt.order_a // k], srt.starts_g, w_gate, w_up, w_down, matmul, rows_per_group)
+    return weighted_sum(y_rd[srt.inv_a].reshape(n, k, -1), ids_nk < num_groups, weights_nk)
