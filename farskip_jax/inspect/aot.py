@@ -98,12 +98,57 @@ class CompiledArtifacts:
     lhs_schedule_text: str | None = None  # XLA's <module>.schedule.txt, when requested
     device_kind: str = ""
     num_devices: int = 0
+    memory: dict[str, Any] | None = None  # memory_section() of the compiled executable
 
     def summary(self) -> dict[str, Any]:
         return {"target": self.target, "lower_seconds": self.lower_seconds,
                 "compile_seconds": self.compile_seconds, "compiler_options": self.compiler_options,
                 "device_kind": self.device_kind, "num_devices": self.num_devices,
                 "hlo_chars": len(self.hlo_text), "has_lhs_schedule": self.lhs_schedule_text is not None}
+
+
+def memory_section(stats: Any, device_memory_size: int | None) -> dict[str, Any] | None:
+    """Per-device memory of a compiled SPMD step, from ``Compiled.memory_analysis()``.
+
+    The numbers are XLA's buffer assignment for one device's program (every device runs the same
+    one): ``argument_bytes`` the inputs (donated ones included), ``output_bytes`` the results,
+    ``alias_bytes`` the results that reuse a donated input's buffer (so they are counted in both),
+    ``temp_bytes`` the arena for everything that lives only inside the step (activations kept for
+    the backward, gradients, collective and GEMM workspaces): XLA packs those by simulating the
+    schedule, so the arena is the peak of what is live together, not the sum of all temporaries.
+    ``generated_code_bytes`` is the kernels' size (0 for a deviceless compile).
+
+    ``peak_bytes_per_device``: XLA's own ``peak_memory_in_bytes`` where the jaxlib exposes it
+    (jaxlib 0.10.2 does; ``peak_source`` = "xla"), else argument + output - alias + temp
+    (``peak_source`` = "formula"), which is XLA's peak up to alignment padding (16 bytes apart on a
+    small check). ``fraction`` = peak / ``device_memory_size``, the HBM in the target spec
+    (``gpu_device_info.device_memory_size``), or the device's own ``bytes_limit`` for 'local'.
+    Not included: the runtime's own reservations (CUDA/ROCm context, allocator fragmentation), so
+    a fraction near 1 will not fit. Returns None when the backend offers no memory analysis.
+    """
+    if stats is None:
+        return None
+    get = lambda name: int(getattr(stats, name, 0) or 0)
+    arg, out, alias = get("argument_size_in_bytes"), get("output_size_in_bytes"), get("alias_size_in_bytes")
+    temp, code = get("temp_size_in_bytes"), get("generated_code_size_in_bytes")
+    formula = arg + out - alias + temp
+    xla_peak = get("peak_memory_in_bytes")
+    peak = xla_peak if xla_peak > 0 else formula
+    return {"argument_bytes": arg, "output_bytes": out, "alias_bytes": alias, "temp_bytes": temp,
+            "generated_code_bytes": code, "peak_bytes_per_device": peak,
+            "peak_source": "xla" if xla_peak > 0 else "formula", "peak_formula_bytes": formula,
+            "device_memory_size": device_memory_size,
+            "fraction": peak / device_memory_size if device_memory_size else None}
+
+
+def _device_memory_size(target: str, devices: list[Any]) -> int | None:
+    if target in targets.SPEC_FILES:
+        return targets.device_memory_size(target)
+    try:  # 'local': what the runtime reports for the real device (None on CPU)
+        stats = devices[0].memory_stats() if devices else None
+    except Exception:  # backends without memory stats raise rather than return None
+        stats = None
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
 
 def compile_scheduled_hlo(jitted_fn: Any, *arg_specs: Any, target: str,
@@ -140,6 +185,7 @@ def compile_scheduled_hlo(jitted_fn: Any, *arg_specs: Any, target: str,
         compiled = lowered.compile(compiler_options=opts) if opts else lowered.compile()
         t2 = time.perf_counter()
         text = compiled.as_text()
+        mem_stats = compiled.memory_analysis()
         sched = None
         if dump_lhs_schedule:
             files = sorted(glob.glob(os.path.join(dump_dir, "*.schedule.txt")), key=os.path.getmtime)
@@ -153,7 +199,8 @@ def compile_scheduled_hlo(jitted_fn: Any, *arg_specs: Any, target: str,
     return CompiledArtifacts(
         target=target, hlo_text=text, lower_seconds=t1 - t0, compile_seconds=t2 - t1,
         compiler_options={k: v for k, v in opts.items() if k != "xla_dump_to"}, lhs_schedule_text=sched,
-        device_kind=devices[0].device_kind if devices else "", num_devices=len(devices))
+        device_kind=devices[0].device_kind if devices else "", num_devices=len(devices),
+        memory=memory_section(mem_stats, _device_memory_size(target, devices)))
 
 
 def _devices_of(arg_specs: Any) -> list[Any]:

@@ -69,8 +69,10 @@ _LAYER_RE = re.compile(r"layer_(\d+)")
 # JAX names every op of a reverse-mode pass `transpose(<forward name stack>)`; the primitive
 # `transpose` (jnp.transpose) prints without the parenthesis.
 _BWD_MARK = "transpose("
+_FWD_MARK = "jvp("  # the forward of a differentiated function (without _BWD_MARK)
 _RECOMPUTE_MARK = "rematted_computation"  # forward ops that jax.checkpoint recomputes in the backward
 _TEACHER_RE = re.compile(r"(?:^|[/(])teacher(?=[/)]|$)")
+_COMM_ROLES = ("dispatch", "combine")
 KNOWN_ROLES = ("dispatch", "combine", "attention", "shared", "router", "experts", "mlp", "lm_head",
                "tp_psum_attn_shared", "tp_psum_routed", "tp_psum_attn", "tp_psum_shared", "tp_psum_ffn",
                "tp_psum_block")
@@ -248,6 +250,7 @@ class CollectiveRecord:
     sim_exposed_us: float = 0.0
     model: str = "student"  # "teacher" inside jax.named_scope("teacher") (FCSD's frozen teacher)
     recompute: bool = False  # a forward collective that jax.checkpoint re-runs in the backward
+    inferred: bool = False  # nameless in the HLO: layer/role/model read from its neighbours
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -286,31 +289,35 @@ def _merge(a: Flag, b: Flag) -> Flag:
 
 
 class Phases:
-    """Forward or backward for every instruction of a module, decided by data flow.
+    """Forward or backward for every instruction of a module: JAX's names first, then data flow.
 
-    The rule: an instruction belongs to the backward pass when its own ``op_name`` carries JAX's
-    reverse-mode mark ``transpose(``, or when any of its operands is backward; everything else is
-    forward. A fusion (or async-start wrapper) is decided by the same rule applied to the
-    instructions inside it, one flag per output, so a multi-output fusion that XLA built from a
-    forward and a backward sibling gives each output its own direction. Backward values
-    are exactly those that depend on the loss's cotangent, so a forward activation never becomes
-    backward, and anything computed from a gradient does, whatever its name. That matters for
-    collectives XLA creates or merges itself: the SPMD partitioner's all-reduces of replicated
-    weights' gradients and the all-reduce combiner's merged ones carry an empty ``op_name`` (seen
-    in every train step we compiled), the global-norm all-reduce of the sharded expert gradients
-    has no name either, and all of them are backward here because their operands are gradients.
-    A collective merged from forward and backward parts is backward (it waits for the backward).
+    The rule, per instruction:
 
-    Schedule position is not used: XLA may schedule a forward-only collective late (the loss's
-    scalar all-reduce, which nothing in the backward reads, often lands after backward
-    all-to-alls), so "after the first backward op" would call it backward.
+    1. An ``op_name`` that JAX marked decides: ``transpose(`` (its reverse-mode pass) means
+       backward, ``jvp(`` without ``transpose(`` means forward.
+    2. Anything without such a mark decides by data flow: backward when any operand is backward,
+       else forward. That covers what XLA creates or merges itself, with an empty ``op_name``: the
+       SPMD partitioner's all-reduces of replicated weights' gradients, the all-reduce combiner's
+       merged ones, the ragged all-to-alls of the dispatch, and the optimizer's ops (named
+       ``jit(step)/...`` outside the differentiated function), such as the global-norm all-reduce
+       of the expert gradients. A collective merged from forward and backward parts is backward.
+    3. A fusion (or async-start wrapper) is decided by the same rules applied to the instructions
+       inside it, one flag per output: XLA's multi-output fusions put a forward and a backward
+       sibling together (the mean loss's partial sum next to its gradient, under the gradient's
+       name). Tuples, ``get-tuple-element``, called computations' parameters and while-loop carries
+       are followed element by element (the carry to a fixed point), so a gradient accumulator in
+       a micro-batch loop does not make the loop's forward collectives backward.
 
-    Values are tracked per tuple element through ``tuple`` / ``get-tuple-element``, parameters of
-    called computations, and while loops (the carry is iterated to a fixed point), so a gradient
-    accumulator in a micro-batch loop's carry does not turn the loop's forward collectives, or a
-    loss accumulator read after the loop, into backward ones. Forward ops that ``jax.checkpoint``
-    recomputes run inside the backward and JAX names them ``transpose(...)/.../rematted_computation``,
-    so a recomputed Dispatch is backward here; ``CollectiveRecord.recompute`` marks it.
+    Why names first: XLA's CSE merges identical forward and backward ops (a norm weight's
+    broadcast, computed once for the forward and once for its gradient) and keeps one of the two
+    names. Seeding pure data flow from such a mislabelled op turned every later forward collective
+    of a FarSkip train step backward. A forward op cannot read a backward value, so a forward name
+    ends the chain. Schedule position is not used either: XLA may schedule a forward-only collective
+    late (the loss's scalar all-reduce, which nothing in the backward reads, lands after backward
+    all-to-alls in tests/inspect/toy_programs.ep_step), so "after the first backward op" would call
+    it backward. Forward ops that ``jax.checkpoint`` recomputes run inside the backward and JAX
+    names them ``transpose(...)/.../rematted_computation``, so a recomputed Dispatch is backward
+    here; ``CollectiveRecord.recompute`` marks it.
     """
 
     def __init__(self, mod: HloModule):
@@ -373,13 +380,24 @@ class Phases:
                 # XLA's multi-output fusions put forward and backward siblings together (the mean
                 # loss's partial sum next to its gradient, under the gradient's op_name).
                 f = self.run(inner, ops, depth + 1)
+            elif (named := name_phase(ins.op_name)) is not None:
+                f = named
             else:
-                f = _BWD_MARK in ins.op_name or any(_any(o) for o in ops)
+                f = any(_any(o) for o in ops)
             vals[ins.name] = f
             key = (cname, ins.name)
             self.bwd[key] = self.bwd.get(key, False) or _any(f)
         root = comp.root
         return vals.get(root.name, False) if root is not None else False
+
+
+def name_phase(op_name: str) -> bool | None:
+    """True (backward) / False (forward) when JAX's name stack says so, None when it does not."""
+    if _BWD_MARK in op_name:
+        return True
+    if _FWD_MARK in op_name:
+        return False
+    return None
 
 
 def _inner_call(ins: Instr) -> str | None:
@@ -397,6 +415,7 @@ class _Analyzer:
         self._cost: dict[tuple[str, str], float] = {}
         self._comp_cost: dict[str, float] = {}
         self._phases: Phases | None = None
+        self._users_cache: dict[str, dict[str, list[str]]] = {}
 
     @property
     def phases(self) -> Phases:
@@ -482,12 +501,87 @@ class _Analyzer:
                 compute = sum(b.est_us for b in between) if is_async else 0.0
                 layer, role, _ = infer_role(ins.op_name)
                 direction = "bwd" if self.phases.is_bwd(cname, ins.name) else "fwd"
+                inferred = not ins.op_name
+                model = model_of(ins.op_name)
+                if inferred:
+                    layer, role, model = self._nameless_role(comp, ins, done, kind, direction)
                 recs.append(CollectiveRecord(
                     ins.name, kind, cname, k, done_k, flagged, is_async, nbytes, n, transfer, compute,
                     min(compute, transfer) / transfer if transfer > 0 else 1.0, w, ins.op_name, layer,
-                    role, direction, between, model=model_of(ins.op_name),
-                    recompute=_RECOMPUTE_MARK in ins.op_name))
+                    role, direction, between, model=model, recompute=_RECOMPUTE_MARK in ins.op_name,
+                    inferred=inferred))
         return recs
+
+
+    def _nameless_role(self, comp: Computation, ins: Instr, done: Instr, kind: str, direction: str
+                       ) -> tuple[int | None, str | None, str]:
+        """(layer, role, model) of a collective without an op_name, from its neighbours' names.
+
+        XLA leaves some collectives nameless: jax.lax.ragged_all_to_all lowers without a location
+        (the EP row exchange), and the combiner's merged all-reduces lose theirs. Layer and model
+        come from the nearest named producer of the first operand (else the nearest named
+        consumer). The role is a communication scope (dispatch, combine, tp_psum_*) if either side
+        is in one; otherwise, for an all-to-all next to the routed experts, the data flow says which
+        exchange it is: forward, the Dispatch feeds the experts and the Combine reads them; the
+        backward runs the transposes, so there the Combine's transpose feeds the experts' backward
+        and the Dispatch's transpose reads it. No role found: no layer either.
+        """
+        producer = self._named_producer(comp, ins.operands[0]) if ins.operands else ""
+        consumers = self._named_consumers(comp, done.name)
+        names = [n for n in [producer, *consumers] if n]
+        if not names:
+            return None, None, "student"
+        p_layer, p_role, _ = infer_role(producer)
+        c_roles = [infer_role(c)[1] for c in consumers]
+        layer = p_layer if p_layer is not None else next(
+            (infer_role(n)[0] for n in names if infer_role(n)[0] is not None), None)
+        comm = [r for r in [p_role, *c_roles] if r in _COMM_ROLES or (r or "").startswith("tp_psum")]
+        role = comm[0] if comm else None
+        if role is None and kind in ("all-to-all", "ragged-all-to-all"):
+            feeds, reads = "experts" in c_roles, p_role == "experts"
+            if feeds != reads:
+                role = ("dispatch" if feeds else "combine") if direction == "fwd" else \
+                    ("combine" if feeds else "dispatch")
+        # Without a role the neighbours say little: a merged gradient all-reduce reads many layers.
+        return (layer if role else None), role, model_of(names[0])
+
+    def _users(self, comp: Computation) -> dict[str, list[str]]:
+        if comp.name not in self._users_cache:
+            users: dict[str, list[str]] = {}
+            for i in comp.instrs:
+                for o in i.operands:
+                    users.setdefault(o, []).append(i.name)
+            self._users_cache[comp.name] = users
+        return self._users_cache[comp.name]
+
+    def _named_producer(self, comp: Computation, name: str, depth: int = 0) -> str:
+        """op_name of the nearest named instruction up the first-operand chain ('' if none)."""
+        ins = comp.by_name.get(name)
+        while ins is not None and depth < 32:
+            if ins.op_name:
+                return ins.op_name
+            ins = comp.by_name.get(ins.operands[0]) if ins.operands else None
+            depth += 1
+        return ""
+
+    def _named_consumers(self, comp: Computation, name: str) -> list[str]:
+        """op_names of the nearest named users (breadth first, a few levels), in schedule order."""
+        users = self._users(comp)
+        out: list[str] = []
+        frontier, seen = [name], {name}
+        for _ in range(6):
+            nxt = []
+            for n in frontier:
+                for u in users.get(n, ()):
+                    if u in seen:
+                        continue
+                    seen.add(u)
+                    ui = comp.by_name[u]
+                    (out if ui.op_name else nxt).append(ui.op_name or u)
+            if out or not nxt:
+                break
+            frontier = nxt
+        return out
 
 
 class _Simulator:
@@ -554,7 +648,10 @@ class _Simulator:
             else:
                 dur = self.an.op_time_us(comp, ins)
                 if dur > 0:
-                    self._emit("compute", ins.name, self.t, dur, opcode=ins.opcode, op_name=ins.op_name)
+                    layer, role, _ = infer_role(ins.op_name)
+                    self._emit("compute", ins.name, self.t, dur, opcode=ins.opcode, op_name=ins.op_name,
+                               layer=layer, role=role,
+                               direction="bwd" if self.an.phases.is_bwd(name, ins.name) else "fwd")
                     self.t += dur
                     self.compute_us += dur
 
@@ -581,6 +678,12 @@ def _totals(recs: list[CollectiveRecord], sim: _Simulator) -> dict[str, Any]:
                               for k in kinds for d in ("fwd", "bwd")
                               if any(r.kind == k and r.direction == d for r in recs)},
         "by_role": _by_role(recs, agg),
+        # FCSD: the frozen teacher's forward (jax.named_scope("teacher")) apart from the student's
+        "by_model": {m: agg([r for r in recs if r.model == m]) for m in ("student", "teacher")
+                     if any(r.model == m for r in recs)},
+        "by_model_kind": {f"{m}/{k}": agg([r for r in recs if r.model == m and r.kind == k])
+                          for m in ("student", "teacher") for k in kinds
+                          if any(r.model == m and r.kind == k for r in recs)},
         "est_step_us": sim.t,
         "est_compute_us": sim.compute_us,
     }

@@ -81,6 +81,25 @@ def build_train_step(cfg: Config, seqs_per_device: int, seq_len: int
     return build
 
 
+def build_fcsd_step(cfg: Config, seqs_per_device: int, seq_len: int
+                    ) -> Callable[[Mesh, str], tuple[Any, Sequence[Any]]]:
+    """Exactly the step train.py runs for ``cfg`` (``train.program.abstract_train_step``): FCSD with
+    the frozen regular teacher's forward when ``train.mode`` is fcsd (or its top-k cache), the
+    optimizer and ZeRO-1 layouts of the trainer, ``train.grad_accum_steps`` micro-batches.
+
+    The mode switches only the student's connectivity ('regular' = the same config with FarSkip
+    off); the teacher is regular either way. Its collectives are reported apart when the step traces
+    the teacher inside ``jax.named_scope("teacher")``.
+    """
+    from farskip_jax.train.program import abstract_train_step
+
+    def build(mesh: Mesh, mode: str):
+        student = dataclasses.replace(cfg, model=model_for(cfg.model, mode))
+        return abstract_train_step(student, mesh, seqs_per_device, seq_len)
+
+    return build
+
+
 def _match_param_shardings(opt: Any, params: Any, p_shard: Any, default: NamedSharding) -> Any:
     by_shape: dict[tuple, NamedSharding] = {}
     for leaf, sh in zip(jax.tree.leaves(params), jax.tree.leaves(p_shard), strict=True):

@@ -6,6 +6,7 @@ need a GPU client, so both coexist (checked)."""
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from pathlib import Path
 
@@ -76,6 +77,18 @@ def test_run_inspect_cli(mesh: jax.sharding.Mesh, tmp_path: Path) -> None:
     trace = json.loads((tmp_path / "report_overlap.trace.json").read_text())
     assert any(e.get("tid") == 2 and e["ph"] == "X" for e in trace["traceEvents"])
     assert reps["overlap"]["meta"]["compiler_options"] == {"xla_gpu_enable_latency_hiding_scheduler": True}
+    # scheduled HLO written by default, gzip-compressed; the memory section in every report
+    with gzip.open(tmp_path / "scheduled_overlap.hlo.txt.gz", "rt") as f:
+        assert "is_scheduled=true" in f.read(2000)
+    assert reps["overlap"]["memory"]["peak_bytes_per_device"] > 0
+    assert cmp["peak_bytes_per_device"]["serial"] > 0
+    # the toy has one layer, so there is no pair of layers to draw
+    assert not (tmp_path / "report_overlap.timeline.png").exists()
+
+    args = parser.parse_args(["--target", "h200", "--mesh", "x=8", "--modes", "overlap", "--no-save-hlo",
+                              "--out", str(tmp_path / "no_hlo")])
+    cli.run_inspect(args, toy_programs.build_step)
+    assert not list((tmp_path / "no_hlo").glob("scheduled_*"))
 
 
 def _analyze_step(fn: object, specs: tuple, **options: object) -> hlo.Analysis:
@@ -125,3 +138,13 @@ def test_direction_expert_parallel_dispatch_combine(mesh: jax.sharding.Mesh) -> 
     assert a2a == [("combine", "bwd", False), ("combine", "fwd", False), ("dispatch", "bwd", False),
                    ("dispatch", "bwd", True), ("dispatch", "fwd", False)]
     assert rem.totals["by_direction"]["fwd"]["count"] == 3  # 2 all-to-alls + the loss all-reduce
+
+
+def test_nameless_ragged_exchanges_get_their_roles(mesh: jax.sharding.Mesh) -> None:
+    """ragged_all_to_all has no op_name in the HLO; the inspector names each exchange from its
+    neighbours (toy_programs.ep_ragged_step: Dispatch, Combine, then their transposes)."""
+    a = _analyze_step(*toy_programs.ep_ragged_step(mesh))
+    rag = sorted((c for c in a.collectives if c.kind == "ragged-all-to-all"), key=lambda c: c.start_index)
+    assert all(c.op_name == "" and c.inferred for c in rag)
+    assert [(c.layer, c.role, c.direction) for c in rag] == [
+        (0, "dispatch", "fwd"), (0, "combine", "fwd"), (0, "combine", "bwd"), (0, "dispatch", "bwd")]

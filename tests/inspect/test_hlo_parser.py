@@ -67,10 +67,11 @@ def test_nested_while_body_and_wrappers() -> None:
     rs = by["reduce-scatter"]  # async-start/async-done wrapper, loop fusion between
     assert rs.is_async and rs.bytes == 128 * 1024 * 2 and [b.name for b in rs.ops_between] == ["loop_fusion"]
     t = a.totals
-    # Direction by data flow (hlo.Phases): the psum is named backward; the all-to-all reads its
-    # result and the reduce-scatter a backward GEMM, so both are backward too whatever their names.
-    assert [c.direction for c in a.collectives] == ["bwd"] * 3
-    assert t["by_direction"]["bwd"]["count"] == 12 and t["by_direction"]["fwd"]["count"] == 0
+    # hlo.Phases: the psum and the all-to-all follow their JAX names (transpose(...) / jvp(...));
+    # the reduce-scatter's name has neither mark, so data flow decides: it reads a backward GEMM.
+    assert [(c.kind, c.direction) for c in a.collectives] == [
+        ("all-reduce", "bwd"), ("all-to-all", "fwd"), ("reduce-scatter", "bwd")]
+    assert t["by_direction"]["bwd"]["count"] == 8 and t["by_direction"]["fwd"]["count"] == 4
     assert t["by_kind"]["all-to-all"]["sync"] == 4 and t["by_kind"]["all-to-all"]["hidden_frac"] == 0.0
     # timeline: entry dot + 4 x (dot, all-reduce wait, sync all-to-all, loop fusion, rs wait)
     loop_us = 4 * 2**20 / 4.8e12 * 1e6
@@ -85,17 +86,20 @@ def test_direction_by_data_flow_through_tuples_loops_and_calls() -> None:
     carry element that stays forward while another element carries a gradient; ar_g: reads the
     gradient element; ar_y: forward in the first trip, a gradient from the second on (the body
     writes g into y), so backward; ar_x_out: the forward element after the loop; ar_call: a
-    gradient passed into a called computation.
+    gradient passed into a called computation; ar_cse: reads a forward-named op whose operand is
+    named backward (XLA's CSE merged a forward op with its backward twin): forward.
     """
     a = _analyze("phases.hlo")
     got = {c.name: c.direction for c in a.collectives}
     assert got == {"ar_h": "fwd", "a2a_x": "fwd", "ar_g": "bwd", "ar_y": "bwd", "ar_x_out": "fwd",
-                   "ar_call": "bwd"}
+                   "ar_call": "bwd", "ar_cse": "fwd"}
     assert all(c.op_name == "" and c.model == "student" and not c.recompute for c in a.collectives)
     weights = {c.name: c.weight for c in a.collectives}
     assert weights["a2a_x"] == 3 and weights["ar_h"] == 1
     t = a.totals["by_direction"]
-    assert t["fwd"]["count"] == 1 + 3 + 1 and t["bwd"]["count"] == 3 + 3 + 1
+    assert t["fwd"]["count"] == 1 + 3 + 1 + 1 and t["bwd"]["count"] == 3 + 3 + 1
+    assert hlo.name_phase("jit(f)/transpose(jvp(layer_0))/mul") is True
+    assert hlo.name_phase("jit(f)/jvp(layer_0)/add") is False and hlo.name_phase("jit(f)/sub") is None
 
 
 def test_model_of_teacher_scope() -> None:

@@ -129,3 +129,41 @@ def ep_step(mesh: Any, remat: bool = False) -> tuple[Any, tuple[Any, ...]]:
               "w_out": jax.ShapeDtypeStruct((8, D, D), jnp.bfloat16, sharding=split)}
     x = jax.ShapeDtypeStruct((ROWS, D), jnp.bfloat16, sharding=split)
     return jax.jit(step), (params, x)
+
+
+def ep_ragged_step(mesh: Any) -> tuple[Any, tuple[Any, ...]]:
+    """Expert-parallel step whose row exchanges are jax.lax.ragged_all_to_all, as the model's.
+
+    JAX lowers ragged_all_to_all without an op_name, so the inspector reads which exchange each one
+    is from its neighbours. Known structure: forward Dispatch (rows from the dispatch scope into the
+    experts' matmul), forward Combine (from the experts back), then in the backward the Combine's
+    transpose and the Dispatch's transpose.
+    """
+    rows, n = 64, 8  # rows per device, 8 rows sent to each peer
+
+    def moe(x: Any, w: Any, offsets: Any, sizes: Any, out_offsets: Any) -> Any:
+        with jax.named_scope("layer_0/dispatch"):
+            send = x * 2.0
+            got = jax.lax.ragged_all_to_all(send, jnp.zeros_like(send), offsets, sizes, out_offsets, sizes,
+                                            axis_name="x")
+        with jax.named_scope("layer_0/experts"):
+            h = jnp.tanh(got @ w[0])
+        with jax.named_scope("layer_0/combine"):
+            return jax.lax.ragged_all_to_all(h, jnp.zeros_like(h), offsets, sizes, out_offsets, sizes,
+                                             axis_name="x")
+
+    def loss(w: Any, x: Any, offsets: Any, sizes: Any, out_offsets: Any) -> Any:
+        y = jax.shard_map(moe, mesh=mesh, in_specs=(P("x"),) * 5, out_specs=P("x"))(x, w, offsets, sizes,
+                                                                                      out_offsets)
+        return jnp.mean(jnp.square(y))
+
+    def step(w: Any, x: Any, offsets: Any, sizes: Any, out_offsets: Any) -> tuple[Any, Any]:
+        # the input's gradient too, so that the backward needs the Dispatch's transpose
+        gw, gx = jax.grad(loss, argnums=(0, 1))(w, x, offsets, sizes, out_offsets)
+        return w - 0.1 * gw, gx
+
+    split = NamedSharding(mesh, P("x"))
+    w = jax.ShapeDtypeStruct((8, 128, 128), jnp.float32, sharding=split)
+    x = jax.ShapeDtypeStruct((8 * rows, 128), jnp.float32, sharding=split)
+    idx = jax.ShapeDtypeStruct((8 * n,), jnp.int32, sharding=split)
+    return jax.jit(step), (w, x, idx, idx, idx)

@@ -1,0 +1,134 @@
+"""A PNG of the estimated timeline around two consecutive middle layers (report_<mode>.timeline.png).
+
+One row pair per compiled model (FarSkip above regular when both are compiled): the compute lane
+(ops back to back, red where compute waits for a collective) and the collective lane. One column
+per pass (forward; backward too for a train step). The times are the inspector's estimate
+(``hlo._Simulator``: schedule order, roofline compute, link-model transfers), so the picture shows
+how XLA's schedule interleaves the two layers' collectives with compute, not a measurement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from farskip_jax.inspect.hlo import Analysis
+
+# compute lane colours by named scope; anything unscoped is grey
+_COMPUTE_COLOURS = {"attention": "#4C72B0", "experts": "#DD8452", "shared": "#55A868", "mlp": "#55A868",
+                    "router": "#8172B3", "lm_head": "#937860"}
+_COMM_COLOURS = {"dispatch": "#17BECF", "combine": "#8C564B", "tp_psum": "#BCBD22"}
+_WAIT = "#D62728"
+_OTHER = "#B0B0B0"
+
+
+def _comm_colour(role: str | None) -> str:
+    if role and role.startswith("tp_psum"):
+        return _COMM_COLOURS["tp_psum"]
+    return _COMM_COLOURS.get(role or "", _OTHER)
+
+
+def layer_window(events: list[dict[str, Any]], direction: str
+                 ) -> tuple[float, float, tuple[int, int]] | None:
+    """(start, end, (k, k+1)) of two consecutive middle layers in one pass, or None.
+
+    Layers come from the ops' named scopes (``layer_N``). The window runs from the first event of
+    either layer to the last one of either, within the first stretch of the pass that stays among
+    layers k-1..k+2: FarSkip interleaves a layer's tail with the next layer's head, the backward
+    visits the layers in reverse, and a micro-batch loop replays the whole stack (the first replay
+    is drawn).
+    """
+    tagged = sorted((e for e in events if e["args"].get("layer") is not None
+                     and e["args"].get("direction") == direction), key=lambda e: e["ts"])
+    layers = sorted({e["args"]["layer"] for e in tagged})
+    pairs = [(a, b) for a, b in zip(layers, layers[1:], strict=False) if b == a + 1]
+    if not pairs:
+        return None
+    k, k1 = pairs[(len(pairs) - 1) // 2]
+    start = end = None
+    for e in tagged:
+        layer = e["args"]["layer"]
+        if start is not None and not k - 1 <= layer <= k1 + 1:
+            break
+        if layer in (k, k1):
+            start = e["ts"] if start is None else start
+            end = max(end or 0.0, e["ts"] + e["dur"])
+    return (start, end, (k, k1)) if start is not None and end > start else None
+
+
+def _lane_bars(events: list[dict[str, Any]], lane: str, t0: float, t1: float
+               ) -> list[tuple[float, float, str]]:
+    bars = []
+    for e in events:
+        if e["lane"] != lane or e["ts"] + e["dur"] <= t0 or e["ts"] >= t1:
+            continue
+        a, b = max(e["ts"], t0), min(e["ts"] + e["dur"], t1)
+        if lane == "comm":
+            colour = _comm_colour(e["args"].get("role"))
+        elif e["name"].startswith("wait"):
+            colour = _WAIT
+        else:
+            colour = _COMPUTE_COLOURS.get(e["args"].get("role") or "", _OTHER)
+        bars.append((a - t0, b - a, colour))
+    return bars
+
+
+def write_timeline_png(runs: Sequence[tuple[str, Analysis]], path: str | Path, title: str = ""
+                       ) -> Path | None:
+    """Draw the middle-layer timeline of each (label, analysis) into ``path``; None if no window.
+
+    ``runs`` in drawing order, top first (the CLI passes FarSkip first, then regular).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display on a CPU build host
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    directions = [d for d in ("fwd", "bwd")
+                  if any(layer_window(a.timeline, d) for _, a in runs)]
+    if not directions:
+        return None
+    size = (7.5 * len(directions), 1.9 * len(runs) + 1.2)
+    fig, axes = plt.subplots(len(runs), len(directions), figsize=size, squeeze=False, sharex="col")
+    for col, d in enumerate(directions):
+        span = 0.0
+        for row, (label, a) in enumerate(runs):
+            ax = axes[row][col]
+            win = layer_window(a.timeline, d)
+            if win is None:
+                ax.set_axis_off()
+                continue
+            t0, t1, (k, k1) = win
+            span = max(span, t1 - t0)
+            comm = _lane_bars(a.timeline, "comm", t0, t1)
+            compute = _lane_bars(a.timeline, "compute", t0, t1)
+            for y, bars in ((1.0, compute), (0.0, comm)):
+                if bars:
+                    ax.broken_barh([(x, w) for x, w, _ in bars], (y + 0.1, 0.8),
+                                   facecolors=[c for _, _, c in bars], edgecolor="none")
+            waited = sum(w for x, w, c in compute if c == _WAIT)
+            busy = sum(w for _, w, _ in comm)
+            ax.set_yticks([0.5, 1.5], ["collectives", "compute"])
+            ax.set_ylim(0, 2)
+            pass_name = "forward" if d == "fwd" else "backward"
+            ax.set_title(f"{label}: {pass_name}, layers {k}-{k1}: {t1 - t0:.0f} us, collectives "
+                         f"{busy:.0f} us, compute waits {waited:.0f} us", fontsize=9, loc="left")
+            ax.grid(axis="x", alpha=0.3)
+        for row in range(len(runs)):
+            axes[row][col].set_xlim(0, span * 1.02 if span else 1.0)
+        axes[-1][col].set_xlabel("estimated time from the window start (us)")
+    legend = [Patch(color=c, label=n) for n, c in _COMPUTE_COLOURS.items() if n != "mlp"]
+    legend += [Patch(color=_OTHER, label="other compute / collective"),
+               Patch(color=_WAIT, label="compute waits"),
+               Patch(color=_COMM_COLOURS["dispatch"], label="dispatch"),
+               Patch(color=_COMM_COLOURS["combine"], label="combine"),
+               Patch(color=_COMM_COLOURS["tp_psum"], label="TP psum")]
+    fig.legend(handles=legend, loc="lower center", ncol=6, fontsize=8, frameon=False)
+    fig.suptitle(title or "estimated timeline (inspector roofline + link model)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

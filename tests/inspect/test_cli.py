@@ -1,0 +1,73 @@
+"""The inspect CLI as a newcomer runs it: a subprocess with a clean environment (no JAX_PLATFORMS,
+no XLA_FLAGS, no PYTHONPATH), which must arrange the deviceless compile itself, stay quiet about
+absent GPUs, and write every report; plus its one-line user errors."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from farskip_jax.inspect import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+# tiny_farskip with a 16-wide q/k head (8 + 8): XLA's Triton GEMM emitter finds no tiling for the
+# default tiny config's 48 x 16 attention-gradient matmul on the H200 target (see cli._compile).
+TINY = ["--config", "tiny_farskip", "--set", "model.qk_rope_head_dim=8", "--seq-len", "64"]
+
+
+def _clean_env() -> dict[str, str]:
+    return {"HOME": os.environ.get("HOME", "/root"), "PATH": "/usr/bin:/bin"}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None,
+                    reason="jax-cuda13-pjrt not installed")
+def test_clean_environment_h200_train(tmp_path: Path) -> None:
+    out = tmp_path / "insp"
+    res = subprocess.run([sys.executable, "-m", "farskip_jax", "inspect", *TINY, "--target", "h200",
+                          "--mode", "train", "--out", str(out)],
+                         cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    # no plugin tracebacks: cuDNN check skipped (cpu platforms), ROCm's "No AMD GPUs" dropped
+    assert "Traceback" not in res.stderr and "configuration error" not in res.stderr, res.stderr[-3000:]
+    for name in ("report_farskip.json", "report_farskip.md", "report_farskip.trace.json",
+                 "report_farskip.timeline.png", "scheduled_farskip.hlo.txt.gz"):
+        assert (out / name).stat().st_size > 1000, name
+    assert (out / "report_farskip.timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with gzip.open(out / "scheduled_farskip.hlo.txt.gz", "rt") as f:
+        head = f.read(4000)
+    assert head.startswith("HloModule") and "is_scheduled=true" in head
+
+    rep = json.loads((out / "report_farskip.json").read_text())
+    mem = rep["memory"]
+    # The memory section of a small compile: every buffer class present, peak as XLA reports it,
+    # HBM from the h200 target spec.
+    assert mem["device_memory_size"] == 151397597184
+    assert mem["argument_bytes"] > 100_000 and mem["output_bytes"] > 100_000 and mem["temp_bytes"] > 100_000
+    assert mem["alias_bytes"] > 0  # the state is donated: new params/optimizer state reuse it
+    assert mem["peak_bytes_per_device"] >= mem["temp_bytes"]
+    # XLA's peak and argument + output - alias + temp agree up to alignment padding
+    assert abs(mem["peak_formula_bytes"] - mem["peak_bytes_per_device"]) < 0.1 * mem["peak_bytes_per_device"]
+    assert mem["fraction"] == pytest.approx(mem["peak_bytes_per_device"] / mem["device_memory_size"])
+    assert 0 < mem["fraction"] < 1e-3
+    assert "Memory per device (XLA buffer assignment): peak" in (out / "report_farskip.md").read_text()
+    t = rep["totals"]
+    assert t["by_direction"]["fwd"]["count"] > 0 and t["by_direction"]["bwd"]["count"] > 0
+    assert "compile" in res.stdout and "peak" in res.stdout
+
+
+def test_user_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--config", "no_such_config"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: config 'no_such_config' not found")
+    assert cli.main(["--config", "tiny", "--set", "model.bogus=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown config key 'model.bogus'" in err[0]
+    assert cli.main(["--config", "tiny", "--seq-len", "0"]) == 2
+    assert "must be positive" in capsys.readouterr().err
