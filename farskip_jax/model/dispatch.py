@@ -87,13 +87,13 @@ def drop_over_capacity(experts_nk: jax.Array, weights_nk: jax.Array, seq_len: in
 def group_starts(sorted_ids: jax.Array, num_groups: int) -> jax.Array:
     """[G + 1]: first sorted row of each group; the last entry is the number of rows in groups."""
     bounds = jnp.arange(num_groups + 1, dtype=sorted_ids.dtype)
-    # compare_all: one fused [G+1, R] comparison instead of a loop of binary-search steps
-    return jnp.searchsorted(sorted_ids, bounds, side="left", method="compare_all").astype(jnp.int32)
+    # Binary search (unrolled, log2 R steps over G+1 queries): no [R, G] comparison matrix.
+    return jnp.searchsorted(sorted_ids, bounds, side="left", method="scan_unrolled").astype(jnp.int32)
 
 
 def group_of_rows(starts_g: jax.Array, rows: jax.Array) -> jax.Array:
     """Group of each sorted row; rows past the last group get G."""
-    return jnp.searchsorted(starts_g[1:], rows, side="right", method="compare_all").astype(jnp.int32)
+    return jnp.searchsorted(starts_g[1:], rows, side="right", method="scan_unrolled").astype(jnp.int32)
 
 
 class Sorted(NamedTuple):
@@ -104,6 +104,7 @@ class Sorted(NamedTuple):
 
 def sort_by_group(ids_a: jax.Array, num_groups: int) -> Sorted:
     """Stable sort of the assignments by group id: rows of a group keep (token, choice) order."""
+    ids_a = jnp.asarray(ids_a)
     order = jnp.argsort(ids_a, stable=True).astype(jnp.int32)
     inv = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
     return Sorted(order, inv, group_starts(ids_a[order], num_groups))

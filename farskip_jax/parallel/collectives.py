@@ -102,7 +102,7 @@ def _regroup(recv_counts_gl: jax.Array, per_src: int) -> _Regroup:
     earlier_gl = jnp.cumsum(recv_counts_gl, axis=0) - recv_counts_gl  # expert l's rows from sources < s
     slot_q = jnp.arange(per_src, dtype=jnp.int32)
     expert_gq = jax.vmap(lambda ends: jnp.searchsorted(ends, slot_q, side="right",
-                                                       method="compare_all"))(end_gl)
+                                                       method="scan_unrolled"))(end_gl)
     sent_gq = expert_gq < local
     expert_gq = jnp.minimum(expert_gq, local - 1)
     shift_gl = starts_l[:-1][None, :] + earlier_gl - start_gl
