@@ -148,3 +148,20 @@ def test_nameless_ragged_exchanges_get_their_roles(mesh: jax.sharding.Mesh) -> N
     assert all(c.op_name == "" and c.inferred for c in rag)
     assert [(c.layer, c.role, c.direction) for c in rag] == [
         (0, "dispatch", "fwd"), (0, "combine", "fwd"), (0, "combine", "bwd"), (0, "dispatch", "bwd")]
+
+
+def test_teacher_collectives_reported_apart(mesh: jax.sharding.Mesh, tmp_path: Path) -> None:
+    """toy_programs.ep_distill_step: the teacher's two forward all-to-alls are counted under
+    'teacher', the student's four (forward and backward) and its gradient all-reduce under 'student'."""
+    from farskip_jax.inspect import report
+
+    a = _analyze_step(*toy_programs.ep_distill_step(mesh))
+    got = sorted((c.model, c.role, c.direction) for c in a.collectives if c.kind == "all-to-all")
+    assert got == [("student", "combine", "bwd"), ("student", "combine", "fwd"),
+                   ("student", "dispatch", "bwd"), ("student", "dispatch", "fwd"),
+                   ("teacher", "combine", "fwd"), ("teacher", "dispatch", "fwd")]
+    by_model = a.totals["by_model"]
+    assert by_model["teacher"]["count"] == 2 and by_model["student"]["count"] == 5  # + the d(wr) all-reduce
+    assert a.totals["by_model_kind"]["teacher/all-to-all"]["count"] == 2
+    md = report.markdown(report.build_report(a))
+    assert "| teacher | 2 |" in md and "teacher 0/dispatch" in md

@@ -167,3 +167,30 @@ def ep_ragged_step(mesh: Any) -> tuple[Any, tuple[Any, ...]]:
     x = jax.ShapeDtypeStruct((8 * rows, 128), jnp.float32, sharding=split)
     idx = jax.ShapeDtypeStruct((8 * n,), jnp.int32, sharding=split)
     return jax.jit(step), (w, x, idx, idx, idx)
+
+
+def ep_distill_step(mesh: Any) -> tuple[Any, tuple[Any, ...]]:
+    """A distillation step shaped like FCSD: a frozen teacher's forward inside
+    ``jax.named_scope("teacher")`` and the student's forward and backward, both expert parallel.
+
+    Known structure: teacher Dispatch + Combine (forward only, no gradient); student Dispatch +
+    Combine forward and their transposes backward; the student's replicated-weight gradient
+    all-reduce.
+    """
+
+    def loss(p: dict[str, Any], t: dict[str, Any], x: Any) -> Any:
+        with jax.named_scope("teacher"):
+            target = _ep_layer(mesh, x, t["wr"], t["w_in"], t["w_out"])
+        y = _ep_layer(mesh, x, p["wr"], p["w_in"], p["w_out"])
+        return jnp.mean(jnp.square((y - jax.lax.stop_gradient(target)).astype(jnp.float32)))
+
+    def step(p: dict[str, Any], t: dict[str, Any], x: Any) -> dict[str, Any]:
+        g = jax.grad(loss)(p, t, x)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
+
+    rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("x"))
+    params = {"wr": jax.ShapeDtypeStruct((D, D), jnp.bfloat16, sharding=rep),
+              "w_in": jax.ShapeDtypeStruct((8, D, D), jnp.bfloat16, sharding=split),
+              "w_out": jax.ShapeDtypeStruct((8, D, D), jnp.bfloat16, sharding=split)}
+    x = jax.ShapeDtypeStruct((ROWS, D), jnp.bfloat16, sharding=split)
+    return jax.jit(step), (params, dict(params), x)
