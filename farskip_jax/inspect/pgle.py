@@ -233,22 +233,29 @@ class PgleCompile:
 def compile_with_synthetic_pgle(jitted_fn: Any, *arg_specs: Any, target: str,
                                 compiler_options: dict[str, Any] | None = None,
                                 default_options: bool = True, profile_dir: str | Path | None = None,
-                                dump_lhs_schedule: bool = False) -> PgleCompile:
+                                dump_lhs_schedule: bool = False,
+                                cost_target: str | None = None) -> PgleCompile:
     """Compile ``jitted_fn`` for ``target`` twice: once to dump the scheduler's input (kept as the
     baseline), then with a synthetic PGLE profile of it and the strict accuracy checker.
 
     Options are those of ``aot.compile_scheduled_hlo`` (``default_options`` adds the target's flag
-    table; ``compiler_options`` wins). Raises ``PgleError`` when XLA rejects the profile (a missing
-    instruction under the strict checker): that means the second compile's module differs from the
-    first, which the caller must not paper over.
+    table; ``compiler_options`` wins). ``cost_target`` names the ``hlo.HARDWARE`` entry that prices
+    the profile (default: ``target``); with ``target="local"`` on a real GPU host it must be given
+    (e.g. "mi300x"), and so must ``compiler_options=xla_flags.compiler_options_for("mi300x")`` or
+    equivalent XLA_FLAGS, since the dump compile needs the latency-hiding scheduler on (not
+    exercised here: this project's CI has no GPU). Raises ``PgleError`` when XLA rejects the
+    profile (a missing instruction under the strict checker): that means the second compile's
+    module differs from the first, which the caller must not paper over.
     """
-    if target not in ("h200", "mi300x"):
-        raise ValueError(f"synthetic PGLE needs a deviceless GPU target ('h200' or 'mi300x'), got {target!r}")
+    cost_target = cost_target or target
+    if target not in ("h200", "mi300x", "local") or cost_target not in ("h200", "mi300x"):
+        raise ValueError(f"synthetic PGLE compiles for a GPU ('h200', 'mi300x', or 'local' with "
+                         f"cost_target='h200'/'mi300x'); got target={target!r}, cost_target={cost_target!r}")
     base_opts = dict(compiler_options or {})
     baseline, entry_text = scheduler_entry_hlo(jitted_fn, *arg_specs, target=target,
                                                compiler_options=base_opts, default_options=default_options,
                                                dump_lhs_schedule=dump_lhs_schedule)
-    path = write_profile(entry_text, target, profile_dir)
+    path = write_profile(entry_text, cost_target, profile_dir)
     opts = dict(base_opts, **STRICT_OPTIONS)
     opts[PROFILE_OPTION] = path
     try:

@@ -216,6 +216,13 @@ def test_write_profile_names_carry_fingerprint(tmp_path: Path) -> None:
         pgle.module_fingerprint(_ENTRY_HLO.replace("fingerprint_before_lhs", "other"))
 
 
+def test_compile_refuses_targets_without_a_cost_model() -> None:
+    with pytest.raises(ValueError, match="cost_target"):  # local needs the hardware it stands for
+        pgle.compile_with_synthetic_pgle(None, target="local")
+    with pytest.raises(ValueError, match="tpu"):
+        pgle.compile_with_synthetic_pgle(None, target="tpu")
+
+
 # ------------------------------------------------------------------ H200 (default suite) -----
 
 @pytest.fixture(scope="module")
