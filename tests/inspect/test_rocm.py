@@ -1,7 +1,8 @@
 """Deviceless MI300X compile through the ROCm plugin with stand-in libraries (rocm_standins).
 
 Runs in a subprocess: the stand-ins and the GPU-count patch must be in place before JAX discovers
-its plugins, which the pytest process has already done. Run with ``pytest -m rocm``."""
+its plugins, which the pytest process has already done. In the default suite (``make test``
+installs the plugin and builds the stand-ins); about 45 s for this file on 2 cores."""
 
 from __future__ import annotations
 
@@ -61,20 +62,42 @@ def test_mi300x_lhs_makes_collectives_async() -> None:
 
 
 def test_mi300x_model_train_step_farskip_beats_regular(tmp_path: Path) -> None:
-    """End to end on the MI300X target: the reduced DSV2-Lite train step, FarSkip vs regular."""
+    """End to end on the MI300X target, from a clean environment (no JAX_PLATFORMS, no PYTHONPATH):
+    the reduced DSV2-Lite train step, FarSkip vs regular.
+
+    Reduced for the default suite: 3 layers (2 MoE), 8192-token vocabulary, 1024 tokens per device
+    (two compiles, about a minute on 2 cores). The exchange is the dense all_to_all
+    (ep_exchange=padded), the one this test has always measured: with the ragged exchange, FarSkip
+    and regular hide about the same share of it on gfx942 (12.2% vs 11.7% measured), an open model
+    question that this test of the MI300X path does not decide.
+    """
     out = tmp_path / "insp"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
+    env = {"HOME": os.environ.get("HOME", "/root"), "PATH": "/usr/bin:/bin"}
     cmd = [sys.executable, "-m", "farskip_jax", "inspect", "--config", "dsv2lite_farskip",
            "--set", "model.num_layers=3", "--set", "model.vocab_size=8192", "--set", "model.remat=none",
+           "--set", "model.ep_exchange=padded", "--seq-len", "1024", "--no-save-hlo", "--no-timeline",
            "--target", "mi300x", "--mode", "train", "--compare-regular", "--out", str(out)]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr and "configuration error" not in res.stderr, res.stderr[-3000:]
     far = json.loads((out / "report_farskip.json").read_text())
     reg = json.loads((out / "report_regular.json").read_text())
-    a2a_far = [c for c in far["collectives"] if c["kind"] == "all-to-all"]
-    assert a2a_far and all(c["is_async"] for c in a2a_far)
-    f = far["totals"]["by_kind"]["all-to-all"]["hidden_frac"]
-    r = reg["totals"]["by_kind"]["all-to-all"]["hidden_frac"]
-    print(f"OVERLAP mi300x train all-to-all hidden: farskip {f:.3f} regular {r:.3f}")
-    assert f > r
+    assert far["meta"]["device_kind"] == "MI300X"
+    assert far["memory"]["device_memory_size"] == 205822885888 and 0 < far["memory"]["fraction"] < 1
+
+    def exchanges(rep: dict) -> list[dict]:
+        return [c for c in rep["collectives"] if c["kind"] in ("all-to-all", "ragged-all-to-all")
+                and c["role"] in ("dispatch", "combine")]
+
+    def hidden(rep: dict) -> float:
+        cs = exchanges(rep)
+        covered = sum(min(c["compute_between_us"], c["transfer_us"]) for c in cs)
+        return covered / sum(c["transfer_us"] for c in cs)
+
+    a2a_far = exchanges(far)
+    # 2 MoE layers x (Dispatch, Combine) x (forward, backward) row exchanges, all async
+    assert len([c for c in a2a_far if c["bytes"] > 2**20]) == 8
+    assert all(c["is_async"] for c in a2a_far)
+    f, r = hidden(far), hidden(reg)
+    print(f"OVERLAP mi300x train dispatch/combine hidden: farskip {f:.3f} regular {r:.3f}")
+    assert f > r + 0.05
