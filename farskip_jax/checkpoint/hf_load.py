@@ -76,21 +76,26 @@ def hf_array(source: TensorSource, spec: ParamSpec, sharding: jax.sharding.Shard
     into ours; it is read once per call of this function and sliced per device.
     """
     np_dt = np.dtype(dtype)
-    whole: dict[str, np.ndarray] = {}
+    # Host slices already read, by expert range (stacked) or "all": devices holding the same slice
+    # (replicas over 'data', or every device for a replicated weight) share one read. They are all
+    # held until the array is assembled anyway, so sharing costs no memory.
+    cache: dict[Any, np.ndarray] = {}
 
     def read(index: tuple) -> np.ndarray:
         idx = _bounds(index, spec.shape)
         if len(spec.hf_keys) > 1:
             e = idx[0]
-            experts = [spec.to_ours([source.read(k)])[0] for k in spec.hf_keys[e.start:e.stop]]
-            arr = np.stack(experts)[(slice(None),) + idx[1:]]
-            return np.ascontiguousarray(arr, dtype=np_dt)
-        if "arr" not in whole:
+            if (e.start, e.stop) not in cache:
+                keys = spec.hf_keys[e.start:e.stop]
+                cache[(e.start, e.stop)] = np.stack([spec.to_ours([source.read(k)])[0].astype(np_dt)
+                                                     for k in keys])
+            return np.ascontiguousarray(cache[(e.start, e.stop)][(slice(None),) + idx[1:]])
+        if "all" not in cache:
             arr = spec.to_ours([source.read(spec.hf_keys[0])])
             if arr.shape != spec.shape:
                 raise CheckpointError(f"parameter {spec.name}: built shape {arr.shape} != {spec.shape}")
-            whole["arr"] = np.asarray(arr, dtype=np_dt)
-        return np.ascontiguousarray(whole["arr"][idx])
+            cache["all"] = np.asarray(arr, dtype=np_dt)
+        return np.ascontiguousarray(cache["all"][idx])
 
     return jax.make_array_from_callback(spec.shape, sharding, read, dtype=np_dt)
 

@@ -13,7 +13,8 @@ _EXPORTS = {
     "EarlyStopper": "early_stop", "decay_mask": "optim", "lr_schedule": "optim", "make_optimizer": "optim",
     "LossSpec": "step", "make_eval_step": "step", "make_teacher_topk": "step", "make_train_step": "step",
     "StepShardings": "step", "TrainProgram": "program", "abstract_train_step": "program",
-    "build_program": "program", "NonFiniteError": "trainer", "Trainer": "trainer", "precompute_teacher": "trainer", "train": "trainer",
+    "build_program": "program", "NonFiniteError": "trainer", "Trainer": "trainer",
+    "precompute_teacher": "trainer", "train": "trainer",
 }
 __all__ = sorted(_EXPORTS)
 

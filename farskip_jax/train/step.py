@@ -12,6 +12,7 @@ the whole step so the update is the mean over every valid token, whatever micro-
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -19,8 +20,11 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from farskip_jax.config import TrainConfig
+from farskip_jax.parallel.mesh import BATCH_AXES
 from farskip_jax.train import losses
 from farskip_jax.train.chunking import chunked_map, lm_logits
 
@@ -246,17 +250,26 @@ def make_eval_step(spec: LossSpec, s_graph: nnx.GraphDef, t_graph: nnx.GraphDef 
 
 
 def make_teacher_topk(t_graph: nnx.GraphDef, k: int, temperature: float, chunk: int,
-                      parallel: Any = None) -> Callable[..., tuple[jax.Array, jax.Array]]:
-    """`topk(teacher_params, batch[B, T]) -> (log-probs [B, T, k] at temperature, ids [B, T, k])`."""
+                      parallel: Any = None, mesh: Mesh | None = None
+                      ) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """`topk(teacher_params, batch[B, T]) -> (log-probs [B, T, k] at temperature, ids [B, T, k])`.
+
+    With `mesh`, each chunk's top-k runs under a shard_map over the batch devices: XLA's SPMD
+    partitioner does not split top_k along a sharded batch axis, it all-gathers the [B, chunk, V]
+    log-probs first, so every device would rank every row's vocabulary.
+    """
+
+    def one(h: jax.Array, head: jax.Array) -> tuple[jax.Array, jax.Array]:
+        logp = jax.nn.log_softmax(lm_logits(h, head) / temperature, axis=-1)
+        vals, ids = jax.lax.top_k(logp, k)
+        return vals, ids.astype(jnp.int32)
+
+    if mesh is not None and math.prod(dict(mesh.shape).get(a, 1) for a in BATCH_AXES) > 1:
+        rows = P(BATCH_AXES)
+        one = jax.shard_map(one, mesh=mesh, in_specs=(rows, P()), out_specs=(rows, rows))
 
     def run(t_params: nnx.State, batch: Batch):
         out, head = _forward(t_graph, t_params, batch, parallel)
-
-        def one(h: jax.Array) -> tuple[jax.Array, jax.Array]:
-            logp = jax.nn.log_softmax(lm_logits(h, head) / temperature, axis=-1)
-            vals, ids = jax.lax.top_k(logp, k)
-            return vals, ids.astype(jnp.int32)
-
-        return chunked_map(one, (out.hidden,), chunk, out.hidden.ndim - 1)
+        return chunked_map(lambda h: one(h, head), (out.hidden,), chunk, out.hidden.ndim - 1)
 
     return jax.jit(run)

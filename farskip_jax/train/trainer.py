@@ -340,7 +340,7 @@ def precompute_teacher(cfg: Config, out_dir: str) -> dict[str, float]:
     evals = batches.eval_batches(cfg, program.eval_batch_sharding) or []
     models = setup.build_models(cfg, program, need_teacher=True)
     topk = make_teacher_topk(models.teacher_graph, tc.teacher_topk, tc.kl_temperature, tc.kl_chunk_tokens,
-                             program.parallel)
+                             program.parallel, program.mesh)
     tcache.write_meta(out_dir, {"k": tc.teacher_topk, "temperature": tc.kl_temperature,
                                 "steps": tc.total_steps, "grad_accum_steps": tc.grad_accum_steps,
                                 "config": cfg.name})

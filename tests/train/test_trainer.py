@@ -71,6 +71,17 @@ def test_fcsd_lowers_kl(reference):
     assert s["best_checkpoint"] is not None and s["steps"] == STEPS
 
 
+def test_dropped_fractions_logged(reference):
+    """Both models' dropped fraction every step, in metrics.jsonl and TensorBoard (dropless: 0.0)."""
+    rows = [json.loads(x) for x in (reference["out"] / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    assert len(train_rows) == STEPS
+    assert all(r["student_dropped_fraction"] == 0.0 and r["teacher_dropped_fraction"] == 0.0
+               for r in train_rows)
+    events = b"".join(f.read_bytes() for f in (reference["out"] / "tb").rglob("events.out.tfevents*"))
+    assert b"train/student_dropped_fraction" in events and b"train/teacher_dropped_fraction" in events
+
+
 def test_exact_resume_after_sigkill(reference, cfg_for, tiny_data, overrides, tmp_path):
     out = tmp_path / "killed"
     over = overrides(tiny_data, out, **BASE)
