@@ -12,7 +12,7 @@ from hlo_count import count_ops, sliced_all_reduces
 from farskip_jax.config import load_config
 from farskip_jax.parallel import make_mesh
 from farskip_jax.train import setup
-from farskip_jax.train.program import build_program
+from farskip_jax.train.program import abstract_train_step, build_program
 from farskip_jax.train.zero1 import batch_devices
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices")
@@ -52,13 +52,16 @@ def _run(zero1: bool) -> dict:
         batch = {k: jax.device_put(v, prog.batch_sharding) for k, v in host.items()}
         state, m = prog.train_step(state, models.teacher_params, batch, np.float32(1.0))
         losses.append(float(m["loss"]))
+    scale = jax.ShapeDtypeStruct((), np.float32, sharding=prog.shardings.scalar)
     args = (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state),
-            models.teacher_params, batch, np.float32(1.0))
-    hlo = prog.train_step.lower(*args).compile().as_text()
+            models.teacher_params, batch, scale)
+    lowered = prog.train_step.lower(*args)
+    hlo = lowered.compile().as_text()
     leaves = jax.tree.leaves(state["params"])
     experts = sum(x.sharding.spec[:1] == ("expert",) for x in leaves)
     whole = sum(x.addressable_shards[0].data.shape == x.shape for x in leaves)
-    return {"replicated_params": whole, "expert_params": experts, "losses": losses,
+    return {"lowered": lowered.as_text(), "cfg": cfg, "replicated_params": whole,
+            "expert_params": experts, "losses": losses,
             "params": jax.tree.map(np.asarray, state["params"]), "opt": _layout(state["opt_state"]),
             "opt0": opt0, "hlo": hlo, "prog": prog}
 
@@ -120,3 +123,13 @@ def test_gradients_reduce_scattered(runs):
     assert counts[False]["reduce-scatter"] + counts[False]["sliced all-reduce"] == 0
     # The new parameters are all-gathered back: at least one all-gather per split leaf.
     assert counts[True]["all-gather"] - counts[False]["all-gather"] >= split_leaves
+
+
+def test_abstract_train_step_is_the_trainer_step(runs):
+    """What the HLO inspector compiles deviceless is the program the trainer ran above."""
+    on = runs[True]
+    step, (state, teacher, batch, scale) = abstract_train_step(on["cfg"], on["prog"].mesh, 1, T)
+    assert batch["input_ids"].shape == (A, 8, T) and teacher is not None
+    assert {x.dtype for x in jax.tree.leaves(teacher)} == {np.dtype("bfloat16")}
+    assert any(x.sharding.spec[:1] == (("data", "expert"),) for x in jax.tree.leaves(state["opt_state"]))
+    assert step.lower(state, teacher, batch, scale).as_text() == on["lowered"]
