@@ -19,9 +19,12 @@ from typing import Any
 import jax
 import numpy as np
 
+from farskip_jax.errors import UserError
 
-class TeacherCacheError(RuntimeError):
-    pass
+
+class TeacherCacheError(UserError, RuntimeError):
+    """A missing or mismatched cache; the message names the file and how to rebuild it (a UserError,
+    so train.py prints it as one line)."""
 
 
 def _proc_dir(root: Path) -> Path:
