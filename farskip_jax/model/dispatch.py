@@ -114,9 +114,12 @@ def grouped_ffn(x_rd: jax.Array, starts_g: jax.Array, w_gate: jax.Array, w_up: j
                 w_down: jax.Array, matmul: ExpertMatmul, rows_per_group: int) -> jax.Array:
     """SwiGLU silu(x Wg) * (x Wu) Wd of each group's rows with that group's weights: [R, D].
 
-    "ragged": three jax.lax.ragged_dot over the sorted rows. "padded": rows gathered into a
-    [G, C, D] buffer by position in group (C = `rows_per_group`, the most a group can hold),
-    a batched einsum, and the results gathered back. Rows past the last group are unspecified.
+    "ragged": three jax.lax.ragged_dot over the sorted rows. "padded": each row placed at its
+    (group, position in group) of a [G, C, D] buffer (C = `rows_per_group`, the most a group can
+    hold), a batched einsum, and the results gathered back. The placement is a scatter of the R
+    rows (sorted, unique indices) rather than a gather of G*C slots, so that the backward pass
+    gathers R rows instead of scatter-adding G*C (bench/dispatch_bench.py). Rows past the last
+    group are unspecified.
     """
     dt = x_rd.dtype
     wg, wu, wd = w_gate.astype(dt), w_up.astype(dt), w_down.astype(dt)
@@ -126,17 +129,18 @@ def grouped_ffn(x_rd: jax.Array, starts_g: jax.Array, w_gate: jax.Array, w_up: j
         return jax.lax.ragged_dot(h, wd, sizes_g)
     if matmul != "padded":
         raise ValueError(f"expert_matmul={matmul!r}: expected 'ragged' or 'padded'")
-    r, g, c = x_rd.shape[0], wg.shape[0], rows_per_group
-    slot_c = jnp.arange(c, dtype=jnp.int32)
-    src_gc = starts_g[:-1, None] + slot_c
-    filled_gc = src_gc < starts_g[1:, None]
-    x_gcd = jnp.where(filled_gc[..., None], x_rd[jnp.minimum(src_gc, r - 1)], 0)
+    r, d = x_rd.shape
+    g, c = wg.shape[0], rows_per_group
+    rows = jnp.arange(r, dtype=jnp.int32)
+    group_r = group_of_rows(starts_g, rows)
+    slot_r = rows - starts_g[jnp.minimum(group_r, g - 1)]
+    # Rows outside every group go past the buffer (dropped), still sorted and unique.
+    slot_flat_r = jnp.where((group_r < g) & (slot_r < c), group_r * c + slot_r, g * c + rows)
+    x_gcd = jnp.zeros((g * c, d), dt).at[slot_flat_r].set(
+        x_rd, mode="drop", unique_indices=True, indices_are_sorted=True).reshape(g, c, d)
     h = jax.nn.silu(jnp.einsum("gcd,gdf->gcf", x_gcd, wg)) * jnp.einsum("gcd,gdf->gcf", x_gcd, wu)
     y_gcd = jnp.einsum("gcf,gfd->gcd", h, wd)
-    rows = jnp.arange(r, dtype=jnp.int32)
-    group_r = jnp.minimum(group_of_rows(starts_g, rows), g - 1)
-    slot_r = jnp.clip(rows - starts_g[group_r], 0, c - 1)
-    return y_gcd.reshape(g * c, -1)[group_r * c + slot_r]
+    return y_gcd.reshape(g * c, -1)[jnp.minimum(slot_flat_r, g * c - 1)]
 
 
 def weighted_sum(y_nkd: jax.Array, valid_nk: jax.Array, weights_nk: jax.Array) -> jax.Array:

@@ -10,9 +10,9 @@ row of every source, which fills the dropless receive buffer exactly (B = tokens
 
 Checks: logits of one device vs HF transformers (<= 1e-4); EP=8, DP=2 x EP=4, TP=8 logits vs one
 device (<= 1e-5) and HF (<= 1e-4), gradients vs one device (<= 1e-5), EP=8 also with
-remat="save_a2a"; the ragged exchange (ep_exchange="ragged") on CPU with ragged_all_to_all
-emulated from its documented semantics; the all-to-all counts of remat "full" vs "save_a2a"; and
-a deviceless H200 compile whose scheduled HLO carries ragged-all-to-all.
+remat="save_a2a" and with expert_matmul="padded"; the ragged exchange (ep_exchange="ragged") on
+CPU with ragged_all_to_all emulated from its documented semantics; the all-to-all counts of remat
+"full" vs "save_a2a"; and a deviceless H200 compile whose scheduled HLO carries ragged-all-to-all.
 """
 
 from __future__ import annotations
@@ -125,12 +125,19 @@ def test_one_device_matches_hf(ckpt, one_device):
     assert float(jnp.std(one_device[0])) > 0.1  # logits of order 1: the bar means something
 
 
-@pytest.mark.parametrize("case", ["ep8", "ep8_save_a2a", "dp2xep4", "tp8"])
+# case -> (mesh, ModelConfig overrides)
+CASES = {"ep8": ("ep8", {}), "ep8_save_a2a": ("ep8", {"remat": "save_a2a"}),
+         "ep8_padded_matmul": ("ep8", {"expert_matmul": "padded"}), "dp2xep4": ("dp2xep4", {}),
+         "tp8": ("tp8", {})}
+
+
+@pytest.mark.parametrize("case", list(CASES))
 def test_sharded_matches_one_device_and_hf(ckpt, one_device, case):
     ref_logits, ref_grads = one_device
-    mesh = make_mesh(MESHES[case.removesuffix("_save_a2a")])
+    mesh_name, overrides = CASES[case]
+    mesh = make_mesh(MESHES[mesh_name])
     state, ids = ckpt["state"], ckpt["ids"]
-    if case == "tp8":
+    if mesh_name == "tp8":
         fwd = tp_forward(ckpt["graphdef"], state, mesh)
         sharded = place(state, mesh, "tp")
 
@@ -138,8 +145,8 @@ def test_sharded_matches_one_device_and_hf(ckpt, one_device, case):
             return fwd(s, i)[0]
     else:
         graphdef = ckpt["graphdef"]
-        if case.endswith("save_a2a"):
-            graphdef, _ = nnx.split(farskip_jax.from_pretrained(ckpt["dir"], remat="save_a2a"), nnx.Param)
+        if overrides:
+            graphdef, _ = nnx.split(farskip_jax.from_pretrained(ckpt["dir"], **overrides), nnx.Param)
         par = ExpertParallel(mesh)
         sharded = place(state, mesh, "ep")
         ids = jax.device_put(ids, batch_sharding(mesh))
