@@ -488,6 +488,12 @@ class _Analyzer:
                 done = comp.instrs[done_k]
                 # the result shape: for a start op it is the done's (start returns a tuple)
                 nbytes = shape_bytes(done.shape if form == "start" else ins.shape)
+                if kind == "ragged-all-to-all" and ins.operands and ins.operands[0] in comp.by_name:
+                    # What moves is known only at run time (send sizes). One side of an EP exchange
+                    # is sized for the worst case (a Dispatch's receive buffer: every peer sending
+                    # all its rows here, EP x the input); the other holds the rows a device owns.
+                    # The smaller of the send (operand 0) and receive buffers is that count.
+                    nbytes = min(nbytes, shape_bytes(comp.by_name[ins.operands[0]].shape))
                 n = group_size(ins, self.mod.num_partitions)
                 between = []
                 for j in range(k + 1, done_k):

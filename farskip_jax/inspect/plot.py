@@ -37,15 +37,18 @@ def layer_window(events: list[dict[str, Any]], direction: str
     either layer to the last one of either, within the first stretch of the pass that stays among
     layers k-1..k+2: FarSkip interleaves a layer's tail with the next layer's head, the backward
     visits the layers in reverse, and a micro-batch loop replays the whole stack (the first replay
-    is drawn).
+    is drawn). The forward window closes where the backward starts (``phase_split``).
     """
+    split = phase_split(events)
     tagged = sorted((e for e in events if e["args"].get("layer") is not None
-                     and e["args"].get("direction") == direction), key=lambda e: e["ts"])
+                     and e["args"].get("direction") == direction
+                     and ((e["ts"] < split) if direction == "fwd" else (e["ts"] >= split))),
+                    key=lambda e: e["ts"])
     layers = sorted({e["args"]["layer"] for e in tagged})
     pairs = [(a, b) for a, b in zip(layers, layers[1:], strict=False) if b == a + 1]
     if not pairs:
         return None
-    k, k1 = pairs[(len(pairs) - 1) // 2]
+    k, k1 = pairs[len(pairs) // 2]  # of 3 layers (dense first): the two MoE layers
     start = end = None
     for e in tagged:
         layer = e["args"]["layer"]
@@ -55,6 +58,33 @@ def layer_window(events: list[dict[str, Any]], direction: str
             start = e["ts"] if start is None else start
             end = max(end or 0.0, e["ts"] + e["dur"])
     return (start, end, (k, k1)) if start is not None and end > start else None
+
+
+def phase_split(events: list[dict[str, Any]]) -> float:
+    """The time where the backward pass starts: the split that agrees best with the compute ops'
+    own directions, weighted by their duration.
+
+    A single op's tag is not enough: XLA's CSE can give a forward op a backward name (a norm
+    weight's broadcast shared by both passes), and forward ops that only the backward reads
+    (residuals) are scheduled inside it; both are short next to the passes' GEMMs.
+    """
+    ops = sorted((e for e in events if e["lane"] == "compute" and e["args"].get("direction")),
+                 key=lambda e: e["ts"])
+    if not ops:
+        return float("inf")
+    # agreement(split before op i) = fwd time before i + bwd time from i on
+    bwd_total = sum(e["dur"] for e in ops if e["args"]["direction"] == "bwd")
+    best, best_ts, fwd_before, bwd_before = bwd_total, ops[0]["ts"], 0.0, 0.0
+    for i, e in enumerate(ops):
+        if e["args"]["direction"] == "fwd":
+            fwd_before += e["dur"]
+        else:
+            bwd_before += e["dur"]
+        score = fwd_before + (bwd_total - bwd_before)
+        if score > best:
+            best = score
+            best_ts = ops[i + 1]["ts"] if i + 1 < len(ops) else float("inf")
+    return best_ts
 
 
 def _lane_bars(events: list[dict[str, Any]], lane: str, t0: float, t1: float

@@ -148,6 +148,11 @@ def test_nameless_ragged_exchanges_get_their_roles(mesh: jax.sharding.Mesh) -> N
     assert all(c.op_name == "" and c.inferred for c in rag)
     assert [(c.layer, c.role, c.direction) for c in rag] == [
         (0, "dispatch", "fwd"), (0, "combine", "fwd"), (0, "combine", "bwd"), (0, "dispatch", "bwd")]
+    # Each moves a device's own 64 rows (f32, 128 wide), not the 8x worst-case receive buffer.
+    own_rows = 64 * 128 * 4
+    assert [c.bytes for c in rag] == [own_rows] * 4
+    assert rag[0].transfer_us == pytest.approx(hlo.transfer_time_us("ragged-all-to-all", own_rows, 8,
+                                                                     hlo.HARDWARE["h200"]))
 
 
 def test_teacher_collectives_reported_apart(mesh: jax.sharding.Mesh, tmp_path: Path) -> None:

@@ -13,8 +13,12 @@ from farskip_jax.inspect.cli import PSUM_COMBINE_OPTION, run_inspect
 
 # DeepSeek-V2-Lite's widths (MLA, 64 experts top-6, shared experts, 1 dense layer first) with 3 layers,
 # a small vocabulary and no remat, so that two compiles take a minute or two on 2 cores while every
-# MoE layer keeps DSV2-Lite's compute/communication proportions.
-REDUCED = ["model.num_layers=3", "model.vocab_size=8192", "model.remat=none"]
+# MoE layer keeps DSV2-Lite's compute/communication proportions. The EP exchange is the dense
+# all_to_all with capacity 1.25, the exchange these checks were written for: a dropless dense
+# exchange moves its worst-case buffer (EP = 8 x the routed rows), and with the ragged exchange
+# FarSkip and regular hide the same share on H200 (53% vs 56% measured), both open model questions.
+REDUCED = ["model.num_layers=3", "model.vocab_size=8192", "model.remat=none", "model.ep_exchange=padded",
+           "model.capacity_factor=1.25"]
 SEQ = 4096
 
 
@@ -48,8 +52,12 @@ def _kind(report: dict, kind: str) -> list[dict]:
 
 
 def test_farskip_all_to_alls_are_async_with_compute_between(train_reports):
-    a2a = _kind(train_reports["farskip"], "all-to-all")
+    # the row exchanges (the counts exchanged before each Dispatch are a few hundred bytes)
+    a2a = [c for c in _kind(train_reports["farskip"], "all-to-all") if c["bytes"] > 2**20]
     assert len(a2a) == 2 * 2 * 2, "2 MoE layers x (Dispatch, Combine) x (forward, backward)"
+    assert sorted((c["role"], c["direction"]) for c in a2a) == [
+        ("combine", "bwd"), ("combine", "bwd"), ("combine", "fwd"), ("combine", "fwd"),
+        ("dispatch", "bwd"), ("dispatch", "bwd"), ("dispatch", "fwd"), ("dispatch", "fwd")]
     fwd_dispatch = [c for c in a2a if c["direction"] == "fwd" and c["role"] == "dispatch"]
     bwd = [c for c in a2a if c["direction"] == "bwd"]
     # The physical limit: the first forward Dispatch and the last backward collective have nothing

@@ -142,15 +142,17 @@ def ep_ragged_step(mesh: Any) -> tuple[Any, tuple[Any, ...]]:
     rows, n = 64, 8  # rows per device, 8 rows sent to each peer
 
     def moe(x: Any, w: Any, offsets: Any, sizes: Any, out_offsets: Any) -> Any:
+        # as in the model: the expert side receives into a worst-case buffer (every peer sending
+        # all its rows here, 8 x), the token side gets back exactly its own rows
         with jax.named_scope("layer_0/dispatch"):
             send = x * 2.0
-            got = jax.lax.ragged_all_to_all(send, jnp.zeros_like(send), offsets, sizes, out_offsets, sizes,
-                                            axis_name="x")
+            got = jax.lax.ragged_all_to_all(send, jnp.zeros((8 * rows, 128), send.dtype), offsets, sizes,
+                                            out_offsets, sizes, axis_name="x")
         with jax.named_scope("layer_0/experts"):
             h = jnp.tanh(got @ w[0])
         with jax.named_scope("layer_0/combine"):
-            return jax.lax.ragged_all_to_all(h, jnp.zeros_like(h), offsets, sizes, out_offsets, sizes,
-                                             axis_name="x")
+            return jax.lax.ragged_all_to_all(h, jnp.zeros((rows, 128), h.dtype), offsets, sizes, out_offsets,
+                                             sizes, axis_name="x")
 
     def loss(w: Any, x: Any, offsets: Any, sizes: Any, out_offsets: Any) -> Any:
         y = jax.shard_map(moe, mesh=mesh, in_specs=(P("x"),) * 5, out_specs=P("x"))(x, w, offsets, sizes,
