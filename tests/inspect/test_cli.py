@@ -4,6 +4,7 @@ absent GPUs, and write every report; plus its one-line user errors."""
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import importlib.util
 import json
@@ -71,3 +72,29 @@ def test_user_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert len(err) == 1 and "unknown config key 'model.bogus'" in err[0]
     assert cli.main(["--config", "tiny", "--seq-len", "0"]) == 2
     assert "must be positive" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None,
+                    reason="jax-cuda13-pjrt not installed")
+def test_fcsd_mode_compiles_the_trainers_step_with_its_teacher(tmp_path: Path) -> None:
+    """--mode fcsd compiles train.program.abstract_train_step: the student's forward and backward
+    plus the frozen teacher's forward. Counted on the Dispatch/Combine row exchanges of a 3-layer
+    tiny model (2 MoE layers): forward 2 layers x 2 exchanges x (student, teacher), backward the
+    student's only."""
+    from farskip_jax.config import load_config, parse_overrides
+    from farskip_jax.inspect import steps
+
+    cfg = load_config("tiny_farskip", parse_overrides(["model.qk_rope_head_dim=8", "model.num_layers=3"]))
+    assert cfg.train.mode == "fcsd" and cfg.train.teacher_cache is None
+    parser = cli.add_inspect_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--target", "h200", "--modes", "farskip", "--no-timeline", "--no-save-hlo",
+                              "--out", str(tmp_path)])
+    args.mesh = {"data": 1, "expert": 8, "tensor": 1}
+    rep = cli.run_inspect(args, steps.build_fcsd_step(cfg, seqs_per_device=1, seq_len=32))["farskip"]
+    rows = [c for c in rep["collectives"] if c["kind"] in ("all-to-all", "ragged-all-to-all")
+            and c["role"] in ("dispatch", "combine") and c["bytes"] >= 32 * 32 * 4]
+    fwd = [c for c in rows if c["direction"] == "fwd"]
+    bwd = [c for c in rows if c["direction"] == "bwd"]
+    assert len(fwd) == 2 * 2 * 2 and len(bwd) == 2 * 2
+    assert sorted(c["layer"] for c in fwd) == [1] * 4 + [2] * 4
+    assert rep["memory"]["peak_bytes_per_device"] > 0
