@@ -42,6 +42,7 @@ import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import glob  # noqa: E402
 import re  # noqa: E402
+import resource  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -71,6 +72,7 @@ INIT_STD = 0.02  # DeepSeek-V2's initializer_range: router logits of order 1, so
 class Result:
     name: str
     step_s: list[float]  # timed steps only
+    usage: dict[str, list[float]]  # per timed step: user / system CPU seconds, minor page faults
     first_s: float  # the first step (torch: allocator warm-up; ours: includes the compile)
     loss0: float  # loss of the first step, before any update
     loss_last: float  # loss of the last timed step: both sides apply the same updates
@@ -116,17 +118,28 @@ def token_batch(vocab: int, batch: int, seq: int, seed: int) -> np.ndarray:
 
 
 def timed_loop(step: Callable[[], float], warmup: int, steps: int,
-               label: str) -> tuple[list[float], float, list[float]]:
-    """Runs warmup + steps calls of `step` (which returns the loss and waits for it);
-    returns (losses, first step seconds, timed step seconds)."""
+               label: str) -> tuple[list[float], float, list[float], dict[str, list[float]]]:
+    """Runs warmup + steps calls of `step` (which returns the loss and waits for it); returns
+    (losses, first step seconds, timed step seconds, rusage deltas of the timed steps).
+
+    System CPU time and minor page faults per step are what fresh multi-GB buffers cost: every
+    first touch of a page is a kernel fault (slow on a VM whose host backs memory lazily)."""
     times, losses = [], []
+    usage: dict[str, list[float]] = collections.defaultdict(list)
     for i in range(warmup + steps):
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         losses.append(step())
         times.append(time.perf_counter() - t0)
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        if i >= warmup:
+            usage["user"].append(r1.ru_utime - r0.ru_utime)
+            usage["sys"].append(r1.ru_stime - r0.ru_stime)
+            usage["faults"].append(r1.ru_minflt - r0.ru_minflt)
         print(f"  {label} step {i}{' (warm-up)' if i < warmup else ''}: {times[-1]:.2f} s  "
-              f"loss {losses[-1]:.5f}", flush=True)
-    return losses, times[0], times[warmup:]
+              f"loss {losses[-1]:.5f}  user {r1.ru_utime - r0.ru_utime:.1f} s  "
+              f"sys {r1.ru_stime - r0.ru_stime:.1f} s  {r1.ru_minflt - r0.ru_minflt} page faults", flush=True)
+    return losses, times[0], times[warmup:], usage
 
 
 def run_torch(model: DeepseekV2ForCausalLM, tc: TrainConfig, ids: np.ndarray, warmup: int,
@@ -159,10 +172,10 @@ def run_torch(model: DeepseekV2ForCausalLM, tc: TrainConfig, ids: np.ndarray, wa
             phases[name].append(dt)
         return float(loss.detach())
 
-    losses, first, times = timed_loop(step, warmup, steps, "torch")
+    losses, first, times, usage = timed_loop(step, warmup, steps, "torch")
     print("  torch phases (median of the timed steps): " + ", ".join(
         f"{k} {statistics.median(v[warmup:]):.2f} s" for k, v in phases.items()), flush=True)
-    return Result("torch", times, first, losses[0], losses[-1], inputs.numel())
+    return Result("torch", times, usage, first, losses[0], losses[-1], inputs.numel())
 
 
 def jax_state_and_step(ckpt_dir: Path, tc: TrainConfig,
@@ -201,9 +214,9 @@ def run_jax(state: Any, step_fn: Any, ids: np.ndarray, warmup: int, steps: int) 
         box["state"], m = compiled(box["state"], None, batch, one)
         return float(m["loss"])
 
-    losses, first, times = timed_loop(step, warmup, steps, "ours")
+    losses, first, times, usage = timed_loop(step, warmup, steps, "ours")
     tokens = int(np.prod(batch["input_ids"].shape))
-    res = Result("ours", times, first + compile_s, losses[0], losses[-1], tokens)
+    res = Result("ours", times, usage, first + compile_s, losses[0], losses[-1], tokens)
     return res, compiled, (box, batch, one)
 
 
@@ -253,8 +266,10 @@ def part_of(op_name: str) -> tuple[str, str]:
     for part, key in PARTS:
         if key in op_name:
             return part, direction
-    if "/while/" in op_name or "jvp(" in op_name or "transpose(" in op_name:
+    if "jvp(" in op_name or "transpose(" in op_name:
         return "embedding, norms, residuals, loss", direction
+    if "/while/body/" in op_name:  # the micro-batch scan outside the differentiated loss: g_acc + g
+        return "gradient accumulation", "-"
     return "optimizer (clip, AdamW, update)", "-"
 
 
@@ -354,7 +369,8 @@ def print_profile(times: dict[tuple[str, str], float], flops: dict[tuple[str, st
           f"can exceed the step's {wall:.2f} s wall time) and matmul GFLOPs\n")
     print("| part | fwd s | bwd s | total s | share | XLA GFLOP (fwd+bwd) | needed GFLOP | XLA / needed |")
     print("|---|---|---|---|---|---|---|---|")
-    parts = [p for p, _ in PARTS] + ["embedding, norms, residuals, loss", "optimizer (clip, AdamW, update)"]
+    parts = [p for p, _ in PARTS] + ["embedding, norms, residuals, loss", "gradient accumulation",
+                                     "optimizer (clip, AdamW, update)"]
     grand = sum(times.values())
     for part in parts:
         f, b, o = (times.get((part, k), 0.0) for k in ("fwd", "bwd", "-"))
@@ -434,15 +450,17 @@ def main() -> None:
         print(f"Train step, CPU, {threads} threads each, {args.config} widths x {cfg.num_layers} layers, "
               f"vocab {cfg.vocab_size}, {args.batch} x {args.seq} tokens, fp32, AdamW; "
               f"median of {args.steps} steps after {args.warmup} warm-up\n")
-        print("| implementation | step (median) | min | max | tokens/s | first step | loss step 0 | "
-              "last loss |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| implementation | step (median) | min | max | tokens/s | user CPU | sys CPU | page faults | "
+              "first step | loss step 0 | last loss |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for label, r in results:
+            med = {k: statistics.median(v) for k, v in r.usage.items()}
             print(f"| {label} | {r.median:.2f} s | {min(r.step_s):.2f} s | {max(r.step_s):.2f} s | "
-                  f"{r.tokens_per_s:.1f} | {r.first_s:.1f} s | {r.loss0:.5f} | {r.loss_last:.5f} |")
+                  f"{r.tokens_per_s:.1f} | {med['user']:.1f} s | {med['sys']:.1f} s | {med['faults']:.0f} | "
+                  f"{r.first_s:.1f} s | {r.loss0:.5f} | {r.loss_last:.5f} |")
         if len(results) == 2:
             (_, t), (_, o) = results
-            print(f"| ours / torch | | | | {o.tokens_per_s / t.tokens_per_s:.2f}x | | "
+            print(f"| ours / torch | | | | {o.tokens_per_s / t.tokens_per_s:.2f}x | | | | | "
                   f"diff {abs(o.loss0 - t.loss0):.1e} | diff {abs(o.loss_last - t.loss_last):.1e} |")
 
         if args.profile and args.only != "torch":
