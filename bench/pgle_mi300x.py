@@ -11,8 +11,8 @@ For FarSkip and regular connectivity it compiles the trainer's step (forward + b
 
 (a) and (c) are the profile-dump compiles of (b) and (d), so each row pair costs two compiles. It
 prints per row: all-to-all time hidden (by the inspector's `hidden = min(compute between, transfer)
-/ transfer`, summed over all all-to-alls), the same for all collectives, the timeline-replay step
-estimate and the compile time; then the git commit the numbers come from. Estimates, not
+/ transfer`, summed over all all-to-alls, padded and ragged), the same for all collectives, the
+timeline-replay step estimate and the compile time; then the git commit the numbers come from. Estimates, not
 measurements, and the profile uses the same roofline that measures it (see inspect/pgle.py).
 
     .venv/bin/python bench/pgle_mi300x.py --layers 4            # reduced: minutes on 2 cores
@@ -55,23 +55,27 @@ def git_commit() -> str:
     return head + (" (+ uncommitted changes)" if dirty else "")
 
 
-def _frac(totals: dict[str, Any], kind: str | None) -> float | None:
-    grp = totals["all"] if kind is None else totals["by_kind"].get(kind)
-    return None if grp is None else grp["hidden_frac"]
+A2A_KINDS = ("all-to-all", "ragged-all-to-all")  # the padded and the ragged (dropless) exchange
+
+
+def _hidden(groups: list[dict[str, Any]]) -> float | None:
+    transfer = sum(g["transfer_us"] for g in groups)
+    return sum(g["hidden_us"] for g in groups) / transfer if transfer else None
 
 
 def row(variant: str, mode: str, art: Any, target: str) -> dict[str, Any]:
     from farskip_jax.inspect import hlo
 
-    a = hlo.analyze(art.hlo_text, target)
-    t = a.totals
-    a2a = t["by_kind"].get("all-to-all", {})
-    return {"variant": variant, "connectivity": mode, "a2a_hidden": _frac(t, "all-to-all"),
-            "a2a_fwd_hidden": t["by_kind_direction"].get("all-to-all/fwd", {}).get("hidden_frac"),
-            "a2a_bwd_hidden": t["by_kind_direction"].get("all-to-all/bwd", {}).get("hidden_frac"),
-            "a2a_count": a2a.get("count", 0), "a2a_sync": a2a.get("sync", 0),
-            "a2a_transfer_us": a2a.get("transfer_us", 0.0), "all_hidden": _frac(t, None),
-            "est_step_ms": t["est_step_us"] / 1e3, "compile_s": art.compile_seconds}
+    t = hlo.analyze(art.hlo_text, target).totals
+    a2a = [t["by_kind"][k] for k in A2A_KINDS if k in t["by_kind"]]
+    by_dir = {d: [t["by_kind_direction"][f"{k}/{d}"] for k in A2A_KINDS
+                  if f"{k}/{d}" in t["by_kind_direction"]] for d in ("fwd", "bwd")}
+    return {"variant": variant, "connectivity": mode, "a2a_hidden": _hidden(a2a),
+            "a2a_fwd_hidden": _hidden(by_dir["fwd"]), "a2a_bwd_hidden": _hidden(by_dir["bwd"]),
+            "a2a_count": sum(g["count"] for g in a2a), "a2a_sync": sum(g["sync"] for g in a2a),
+            "a2a_transfer_us": sum(g["transfer_us"] for g in a2a), "all_hidden": t["all"]["hidden_frac"],
+            "all_transfer_us": t["all"]["transfer_us"], "est_step_ms": t["est_step_us"] / 1e3,
+            "compile_s": art.compile_seconds}
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -120,12 +124,14 @@ def _pct(x: float | None) -> str:
 def _fmt_row(r: dict[str, Any]) -> str:
     return (f"| ({r['variant']}) {VARIANTS[r['variant']][0]} | {r['connectivity']} | "
             f"{r['a2a_count']} ({r['a2a_sync']}) | {_pct(r['a2a_hidden'])} | {_pct(r['a2a_fwd_hidden'])} | "
-            f"{_pct(r['a2a_bwd_hidden'])} | {_pct(r['all_hidden'])} | {r['est_step_ms']:.2f} ms | "
+            f"{_pct(r['a2a_bwd_hidden'])} | {r['a2a_transfer_us'] / 1e3:.2f} ms | {_pct(r['all_hidden'])} | "
+            f"{r['all_transfer_us'] / 1e3:.2f} ms | {r['est_step_ms']:.2f} ms | "
             f"{r['compile_s']:.0f} s |")
 
 
-HEADER = ("| variant | connectivity | all-to-alls (sync) | a2a hidden | a2a fwd | a2a bwd | "
-          "all collectives hidden | est. step | compile |\n|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| variant | connectivity | all-to-alls (sync) | a2a hidden | a2a fwd | a2a bwd | a2a transfer | "
+          "all collectives hidden | all transfer | est. step | compile |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def main(argv: list[str] | None = None) -> int:
