@@ -60,11 +60,16 @@ def installed_gpu_plugins() -> set[str]:
            ({"rocm"} if any(n.startswith("xla_rocm") for n in names) else set())
 
 
+def current() -> str | None:
+    """JAX's ``jax_platforms`` setting now (None: not set). Read the way the GPU plugins read it."""
+    from jax._src import config as jax_config
+
+    return jax_config.jax_platforms.value
+
+
 def _requested() -> list[str]:
     """Platforms named in JAX_PLATFORMS / jax_platforms, with 'gpu' meaning both GPU kinds."""
-    import jax
-
-    text = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")
+    text = current() or os.environ.get("JAX_PLATFORMS", "")
     out: list[str] = []
     for p in filter(None, (s.strip().lower() for s in text.split(","))):
         out += ["cuda", "rocm"] if p == "gpu" else [p]
@@ -74,7 +79,8 @@ def _requested() -> list[str]:
 def _backends_started() -> bool:
     from jax._src import xla_bridge
 
-    return xla_bridge.backends_are_initialized()
+    started = getattr(xla_bridge, "backends_are_initialized", None)
+    return started() if started is not None else bool(getattr(xla_bridge, "_backends", None))
 
 
 def select_default_platforms() -> str | None:
@@ -85,7 +91,7 @@ def select_default_platforms() -> str | None:
     """
     import jax
 
-    if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or _backends_started():
+    if os.environ.get("JAX_PLATFORMS") or current() or _backends_started():
         return None
     plugins = installed_gpu_plugins()
     chosen = ",".join([p for p in hardware_platforms() if p in plugins] + ["cpu"])
@@ -137,7 +143,7 @@ def use_cpu_for_deviceless_compile() -> None:
 
     if _backends_started():
         return
-    if jax.config.jax_platforms != "cpu":
+    if current() != "cpu":
         jax.config.update("jax_platforms", "cpu")
 
 

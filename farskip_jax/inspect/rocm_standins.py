@@ -210,14 +210,13 @@ def enable() -> Path:
     global _ENABLED
     if _ENABLED:
         return build()
-    import jax
     from jax._src import xla_bridge
 
     from farskip_jax import platforms
 
     platforms.use_cpu_for_deviceless_compile()
-    if jax.config.jax_platforms != "cpu":
-        raise RocmStandinError(f"JAX backends already started with platforms {jax.config.jax_platforms!r}; "
+    if platforms.current() != "cpu":
+        raise RocmStandinError(f"JAX backends already started with platforms {platforms.current()!r}; "
                                "a deviceless ROCm compile needs 'cpu' (use a fresh process)")
     if getattr(xla_bridge, "_plugins_registered", False):
         raise RocmStandinError("JAX already discovered its plugins in this process, so the ROCm plugin "
