@@ -114,14 +114,16 @@ class ModelConfig:
     # expert per sequence; the lowest-router-weight assignments are dropped first, so one device and
     # any expert-parallel mesh drop the same ones.
     capacity_factor: float = 0.0
-    # Grouped expert GEMM over the expert-sorted tokens: jax.lax.ragged_dot, or a padded per-expert
-    # buffer with a batched einsum (model/dispatch.py; BENCHMARKS.md compares them).
-    expert_matmul: Literal["ragged", "padded"] = "ragged"
+    # Grouped expert GEMM over the expert-sorted tokens: jax.lax.ragged_dot, a padded per-expert
+    # buffer with a batched einsum, or auto = ragged on ROCm (hipBLASLt grouped GEMM), padded on CUDA
+    # and CPU (model/dispatch.py:resolve_matmul; BENCHMARKS.md has the measurements).
+    expert_matmul: Literal["auto", "ragged", "padded"] = "auto"
     # Expert-parallel token exchange: ragged_all_to_all (GPU), per-destination buffers with a plain
     # all_to_all (works everywhere, XLA:CPU included), or auto = ragged on GPU meshes, padded elsewhere.
     ep_exchange: Literal["auto", "ragged", "padded"] = "auto"
     # Attention core: blockwise (flash-style online softmax, O(T) memory), the [T, T] reference, or
-    # cuDNN fused attention; auto = cudnn where supported, blockwise elsewhere.
+    # cuDNN fused attention. auto = blockwise on every backend: jax.nn's cuDNN path needs equal q/k/v
+    # head dims (MLA has 192 vs 128) and takes no segment ids (model/attention.py).
     attention: Literal["auto", "blockwise", "reference", "cudnn"] = "auto"
     attention_block_q: int = 512
     attention_block_kv: int = 512

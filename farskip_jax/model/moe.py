@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from farskip_jax.config import ModelConfig
-from farskip_jax.model.dispatch import drop_over_capacity, routed_experts, rows_per_expert
+from farskip_jax.model.dispatch import drop_over_capacity, resolve_matmul, routed_experts, rows_per_expert
 from farskip_jax.model.layers import DTYPES, MLP, normal_init
 
 
@@ -92,7 +92,7 @@ def local_routed(x_nd: jax.Array, routing: Routing, experts: RoutedExperts,
     ids_nk, dropped = drop_over_capacity(routing.experts_nk, routing.weights_nk, routing.seq_len, cfg)
     with jax.named_scope("experts"):
         routed = routed_experts(x_nd, ids_nk, routing.weights_nk, experts.w_gate[...], experts.w_up[...],
-                                experts.w_down[...], cfg.expert_matmul,
+                                experts.w_down[...], resolve_matmul(cfg.expert_matmul, jax.devices()[0]),
                                 rows_per_expert(x_nd.shape[0], routing.seq_len, cfg))
     return routed, dropped
 

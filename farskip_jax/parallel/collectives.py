@@ -39,8 +39,10 @@ from farskip_jax.model.dispatch import (
     A2A_COMBINE,
     A2A_COUNTS,
     A2A_DISPATCH,
+    device_family,
     drop_over_capacity,
     grouped_ffn,
+    resolve_matmul,
     routed_experts,
     rows_per_expert,
     sort_by_group,
@@ -53,7 +55,7 @@ from farskip_jax.parallel.mesh import BATCH_AXES, param_specs_tree
 def resolve_exchange(mode: str, mesh: Mesh) -> str:
     """ep_exchange "auto": ragged on GPU meshes (deviceless GPU devices say "gpu" too), padded elsewhere."""
     if mode == "auto":
-        return "ragged" if mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm") else "padded"
+        return "padded" if device_family(mesh.devices.flat[0]) == "cpu" else "ragged"
     if mode not in ("ragged", "padded"):
         raise ValueError(f"ep_exchange={mode!r}: expected 'auto', 'ragged' or 'padded'")
     return mode
@@ -75,9 +77,11 @@ class ExpertParallel:
         tokens = P(BATCH_AXES)
         expert_spec = P("expert", None, None)
         exchange = resolve_exchange(cfg.ep_exchange, self.mesh)
+        matmul = resolve_matmul(cfg.expert_matmul, self.mesh.devices.flat[0])
 
         def shard(x, weights, ids, w_gate, w_up, w_down):
-            return _ep_routed(x, weights, ids, (w_gate, w_up, w_down), cfg, groups, routing.seq_len, exchange)
+            return _ep_routed(x, weights, ids, (w_gate, w_up, w_down), cfg, groups, routing.seq_len, exchange,
+                              matmul)
 
         fn = jax.shard_map(shard, mesh=self.mesh, in_specs=(tokens, tokens, tokens, expert_spec, expert_spec,
                                                             expert_spec), out_specs=(tokens, P()))
@@ -132,7 +136,7 @@ def _exchange(rows: jax.Array, per_src: int, input_offsets_g: jax.Array, send_si
 
 
 def _ep_routed(x_nd, weights_nk, experts_nk, w_gld: tuple[jax.Array, ...], cfg: ModelConfig, groups: int,
-               seq_len: int, exchange: str):
+               seq_len: int, exchange: str, matmul: str):
     """Per shard: sort -> counts -> Dispatch -> regroup, grouped matmul -> Combine -> weighted sum."""
     n, k = experts_nk.shape
     e = cfg.n_routed_experts
@@ -166,7 +170,7 @@ def _ep_routed(x_nd, weights_nk, experts_nk, w_gld: tuple[jax.Array, ...], cfg: 
         recv_rd = checkpoint_name(recv_rd, A2A_DISPATCH)
     with jax.named_scope("experts"):
         rg = _regroup(recv_counts_gl, per_src)
-        y_rd = grouped_ffn(recv_rd[rg.src_r], rg.starts_l, *w_gld, cfg.expert_matmul, groups * per_expert)
+        y_rd = grouped_ffn(recv_rd[rg.src_r], rg.starts_l, *w_gld, matmul, groups * per_expert)
         back_rd = y_rd[rg.dst_r]
     with jax.named_scope("combine"):
         back_offsets_g = jnp.arange(groups, dtype=jnp.int32) * per_src
@@ -187,6 +191,7 @@ class TensorParallel:
     """Inside a shard_map over `tensor`: local heads/experts, psum of partial outputs."""
 
     axis: str = "tensor"
+    device: Any = None  # one of the mesh's devices: picks expert_matmul "auto" (None: jax.devices()[0])
 
     def reduce(self, v: jax.Array, name: str) -> jax.Array:
         with jax.named_scope(name):
@@ -205,7 +210,8 @@ class TensorParallel:
         ids_nk = jnp.where((ids_nk >= 0) & (ids_nk < local), ids_nk, local)  # another rank's: skipped
         with jax.named_scope("experts"):
             routed = routed_experts(x_nd, ids_nk, routing.weights_nk, experts.w_gate[...], experts.w_up[...],
-                                    experts.w_down[...], cfg.expert_matmul,
+                                    experts.w_down[...],
+                                    resolve_matmul(cfg.expert_matmul, self.device or jax.devices()[0]),
                                     rows_per_expert(x_nd.shape[0], routing.seq_len, cfg))
         return routed, dropped
 
@@ -226,7 +232,7 @@ def ep_forward(graphdef: nnx.GraphDef, mesh: Mesh) -> Callable[..., Any]:
 
 def tp_forward(graphdef: nnx.GraphDef, state_like: Any, mesh: Mesh) -> Callable[..., Any]:
     """`f(state, input_ids, positions, segment_ids) -> (logits, hidden)`: the inference TP layout."""
-    par = TensorParallel()
+    par = TensorParallel(device=mesh.devices.flat[0])
     specs = param_specs_tree(state_like, "tp")
 
     def body(state, input_ids, positions, segment_ids):

@@ -101,7 +101,9 @@ def _micro(spec: LossSpec, s_graph: nnx.GraphDef, s_params: nnx.State, t_graph: 
                                               spec.chunk_tokens)
             m["teacher_topk_mass_sum"] = lm["teacher_topk_mass"] * lm["num_tokens"]
         else:
-            t_out, t_head = _forward(t_graph, jax.lax.stop_gradient(t_params), batch, parallel)
+            # The scope lets the HLO inspector report the teacher's collectives apart from the student's.
+            with jax.named_scope("teacher"):
+                t_out, t_head = _forward(t_graph, jax.lax.stop_gradient(t_params), batch, parallel)
             m["teacher_dropped_fraction"] = _dropped(t_out)
             loss, lm = losses.chunked_forward_kl(t_out.hidden, t_head, s_out.hidden, s_head, mask,
                                                  spec.temperature, normalizer, spec.chunk_tokens)
@@ -269,7 +271,8 @@ def make_teacher_topk(t_graph: nnx.GraphDef, k: int, temperature: float, chunk: 
         one = jax.shard_map(one, mesh=mesh, in_specs=(rows, P()), out_specs=(rows, rows))
 
     def run(t_params: nnx.State, batch: Batch):
-        out, head = _forward(t_graph, t_params, batch, parallel)
+        with jax.named_scope("teacher"):
+            out, head = _forward(t_graph, t_params, batch, parallel)
         return chunked_map(lambda h: one(h, head), (out.hidden,), chunk, out.hidden.ndim - 1)
 
     return jax.jit(run)
