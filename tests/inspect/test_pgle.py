@@ -115,16 +115,21 @@ def rejected(fn: Any, specs: tuple[Any, ...], target: str, profile: Path) -> str
     return ""
 
 
+def drop_most_expensive(profile: str, out: Path) -> str:
+    """Write ``profile`` minus its most expensive compute op to ``out``; returns the dropped line."""
+    lines = Path(profile).read_text().splitlines()
+    compute = [ln for ln in lines if ln.startswith("costs") and "-start" not in ln]
+    top = max(compute, key=lambda ln: float(re.search(r"cost_us: ([0-9.e+-]+)", ln).group(1)))
+    out.write_text("\n".join(ln for ln in lines if ln != top) + "\n")
+    return top
+
+
 def negative_controls(fn: Any, specs: tuple[Any, ...], target: str, res: pgle.PgleCompile,
                       tmp: Path) -> dict[str, str]:
     """The profile minus its most expensive compute op, and the profile under a wrong fingerprint:
     the strict checker must reject both (else 'accepted' in the main test would prove nothing)."""
-    lines = Path(res.profile_path).read_text().splitlines()
-    costs = [ln for ln in lines if ln.startswith("costs")]
-    compute = [ln for ln in costs if "-start" not in ln]
-    top = max(compute, key=lambda ln: float(re.search(r"cost_us: ([0-9.e+-]+)", ln).group(1)))
-    (tmp / "drop.pbtxt").write_text("\n".join(ln for ln in lines if ln != top) + "\n")
-    wrong = [ln.replace(res.fingerprint, "0" * 32) for ln in lines]
+    top = drop_most_expensive(res.profile_path, tmp / "drop.pbtxt")
+    wrong = [ln.replace(res.fingerprint, "0" * 32) for ln in Path(res.profile_path).read_text().splitlines()]
     (tmp / "wrongfp.pbtxt").write_text("\n".join(wrong) + "\n")
     return {"dropped": top, "drop": rejected(fn, specs, target, tmp / "drop.pbtxt"),
             "wrong_fingerprint": rejected(fn, specs, target, tmp / "wrongfp.pbtxt")}
@@ -273,6 +278,25 @@ def test_h200_strict_checker_rejects_incomplete_profile(h200: dict[str, Any], tm
     neg = negative_controls(far["fn"], far["specs"], "h200", far["res"], tmp_path)
     assert "missing instructions" in neg["drop"], (neg["dropped"], neg["drop"][:500])
     assert "missing instructions" in neg["wrong_fingerprint"], neg["wrong_fingerprint"][:500]
+
+
+def test_h200_profile_survives_rematerialization(h200: dict[str, Any], tmp_path: Path) -> None:
+    """Memory limit at its floor (slop factor 0 -> 64 MiB): rematerialization renames instructions
+    after the scheduler, which the ERROR level's name verifier rejects; coverage is still checked
+    first, so a complete profile is applied at WARN level and an incomplete one still fails."""
+    fn, specs = h200["farskip"]["fn"], h200["farskip"]["specs"]
+    tight = {"xla_gpu_memory_limit_slop_factor": 0}
+    res = pgle.compile_with_synthetic_pgle(fn, *specs, target="h200", compiler_options=tight)
+    assert res.checker.startswith("error before scheduling; warn")
+    opts = res.artifacts.compiler_options
+    assert opts["xla_gpu_pgle_accuracy_checker"] == "PGLE_STRICTNESS_LEVEL_WARN"
+    assert opts[pgle.PROFILE_OPTION] == res.profile_path and opts["xla_gpu_memory_limit_slop_factor"] == 0
+    drop_most_expensive(res.profile_path, tmp_path / "drop.pbtxt")
+    from farskip_jax.inspect import aot
+
+    with pytest.raises(Exception, match="missing instructions"):
+        aot.compile_scheduled_hlo(fn, *specs, target="h200", compiler_options=dict(
+            tight, **pgle.STRICT_OPTIONS, **{pgle.PROFILE_OPTION: str(tmp_path / "drop.pbtxt")}))
 
 
 # ------------------------------------------------------------------ MI300X (pytest -m rocm) --
