@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             if any(VARIANTS[v][2] for v in names):
                 res = pgle.compile_with_synthetic_pgle(fn, *specs, target=args.target, compiler_options=opts)
                 by_pgle = {False: res.baseline, True: res.artifacts}
-                extra = f", profile {res.num_costs} costs"
+                extra = f", profile {res.num_costs} costs, accuracy checker: {res.checker}"
             else:
                 by_pgle = {False: aot.compile_scheduled_hlo(fn, *specs, target=args.target,
                                                             compiler_options=opts)}
