@@ -201,7 +201,9 @@ def jax_batch(ids: np.ndarray) -> dict[str, jax.Array]:
             "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (1, b, t))}
 
 
-def run_jax(state: Any, step_fn: Any, ids: np.ndarray, warmup: int, steps: int) -> tuple[Result, Any, Any]:
+def run_jax(state: Any, step_fn: Any, ids: np.ndarray, warmup: int,
+            steps: int) -> tuple[Result, Any, Callable[[], float]]:
+    """Compiles and times our step; returns the result, the compiled step and one more step."""
     batch = jax_batch(ids)
     one = jnp.ones((), jnp.float32)
     box = {"state": state}
@@ -217,7 +219,7 @@ def run_jax(state: Any, step_fn: Any, ids: np.ndarray, warmup: int, steps: int) 
     losses, first, times, usage = timed_loop(step, warmup, steps, "ours")
     tokens = int(np.prod(batch["input_ids"].shape))
     res = Result("ours", times, usage, first + compile_s, losses[0], losses[-1], tokens)
-    return res, compiled, (box, batch, one)
+    return res, compiled, step
 
 
 # --------------------------------------------------------------------------------------------
@@ -277,7 +279,7 @@ def opcodes(hlo_text: str) -> dict[str, str]:
     return {m.group(1): m.group(3) for m in map(_INSTR.match, hlo_text.splitlines()) if m}
 
 
-def profile_step(compiled: Any, run_once: Callable[[], None],
+def profile_step(compiled: Any, run_once: Callable[[], float],
                  out_dir: Path) -> tuple[dict[tuple[str, str], float], dict[str, float]]:
     """Seconds of XLA thunk execution per (part, direction) and per HLO op over one traced step."""
     with jax.profiler.trace(str(out_dir)):
@@ -384,6 +386,11 @@ def print_profile(times: dict[tuple[str, str], float], flops: dict[tuple[str, st
           f"{sum(needed.values()) / 1e9:.1f} | |")
 
 
+def parse_sets(items: list[str]) -> dict[str, Any]:
+    """['expert_matmul=padded', 'capacity_factor=1.25'] -> typed dotted ModelConfig overrides."""
+    return {k.strip(): yaml.safe_load(v) for k, _, v in (o.partition("=") for o in items)}
+
+
 def load_line() -> str:
     try:
         return subprocess.run(["uptime"], capture_output=True, text=True, check=True).stdout.strip()
@@ -405,6 +412,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=15, help="with --profile: list this many costliest HLO ops")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a dotted ModelConfig override for ours only, e.g. expert_matmul=padded")
+    p.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                   help="one more row for ours with these overrides, e.g. expert_matmul=padded")
     p.add_argument("--only", choices=("torch", "ours"), default=None, help="run one side only")
     args = p.parse_args()
 
@@ -419,7 +428,7 @@ def main() -> None:
     print(f"jax {jax.__version__} ({jax.devices()[0].platform}, XLA CPU pool = {threads} cores), "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
 
-    overrides = {k: yaml.safe_load(v) for k, _, v in (o.partition("=") for o in args.overrides)}
+    overrides = parse_sets(args.overrides)
     tmp = Path(tempfile.mkdtemp(prefix="torch_vs_jax_"))
     results: list[tuple[str, Result]] = []
     try:
@@ -438,13 +447,25 @@ def main() -> None:
         del model
         gc.collect()
 
-        if args.only != "torch":
-            state, step_fn, jcfg = jax_state_and_step(tmp / "ckpt", tc, overrides)
+        # Ours as configured (--set), then one row per --variant, one after the other (memory).
+        variants = [overrides] + [{**overrides, **parse_sets(v.split(","))} for v in args.variant]
+        for i, ov in enumerate(variants if args.only != "torch" else []):
+            state, step_fn, jcfg = jax_state_and_step(tmp / "ckpt", tc, ov)
             knobs = (f"attention={jcfg.attention}, expert_matmul={jcfg.expert_matmul}, "
                      f"capacity_factor={jcfg.capacity_factor}")
             print(f"ours: {knobs} (capacity 0 = dropless)", flush=True)
-            jax_res, compiled, (box, batch, one) = run_jax(state, step_fn, ids, args.warmup, args.steps)
+            jax_res, compiled, one_step = run_jax(state, step_fn, ids, args.warmup, args.steps)
             results.append((f"ours (jax.jit trainer step, optax AdamW; {knobs})", jax_res))
+            if args.profile and i == 0:
+                t0 = time.perf_counter()
+                times, per_op = profile_step(compiled, one_step, tmp / "profile")
+                wall = time.perf_counter() - t0
+                needed = active_flops(jcfg, ids[:, :-1].size, args.seq)
+                print_profile(times, flops_by_part(compiled), needed, wall)
+                print_top_ops(compiled, per_op, args.top)
+                print(f"\nafter profile: {load_line()}\n")
+            del state, step_fn, compiled, one_step
+            gc.collect()
 
         print(f"\nafter: {load_line()}\n")
         print(f"Train step, CPU, {threads} threads each, {args.config} widths x {cfg.num_layers} layers, "
@@ -458,23 +479,13 @@ def main() -> None:
             print(f"| {label} | {r.median:.2f} s | {min(r.step_s):.2f} s | {max(r.step_s):.2f} s | "
                   f"{r.tokens_per_s:.1f} | {med['user']:.1f} s | {med['sys']:.1f} s | {med['faults']:.0f} | "
                   f"{r.first_s:.1f} s | {r.loss0:.5f} | {r.loss_last:.5f} |")
-        if len(results) == 2:
-            (_, t), (_, o) = results
-            print(f"| ours / torch | | | | {o.tokens_per_s / t.tokens_per_s:.2f}x | | | | | "
-                  f"diff {abs(o.loss0 - t.loss0):.1e} | diff {abs(o.loss_last - t.loss_last):.1e} |")
+        if args.only is None:
+            (_, t), *ours = results
+            for n, (_, o) in enumerate(ours):
+                print(f"| ours{f' variant {n}' if n else ''} / torch | | | | "
+                      f"{o.tokens_per_s / t.tokens_per_s:.2f}x | | | | | "
+                      f"diff {abs(o.loss0 - t.loss0):.1e} | diff {abs(o.loss_last - t.loss_last):.1e} |")
 
-        if args.profile and args.only != "torch":
-            def once() -> None:
-                box["state"], m = compiled(box["state"], None, batch, one)
-                jax.block_until_ready(m["loss"])
-
-            t0 = time.perf_counter()
-            times, per_op = profile_step(compiled, once, tmp / "profile")
-            wall = time.perf_counter() - t0
-            needed = active_flops(jcfg, ids[:, :-1].size, args.seq)
-            print_profile(times, flops_by_part(compiled), needed, wall)
-            print_top_ops(compiled, per_op, args.top)
-            print(f"\nafter profile: {load_line()}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
