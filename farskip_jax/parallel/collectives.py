@@ -15,7 +15,10 @@ G expert-parallel ranks, L = E / G local experts, B receive rows reserved per so
 The row exchange is `jax.lax.ragged_all_to_all` (only the routed rows move) or, where that does
 not exist (XLA:CPU), a plain all_to_all of per-destination buffers of B rows. Both write source
 s's rows at [s*B, s*B + its count) of the receive buffer, so everything after the exchange is
-shared. All of it is dropless: B is the worst case (see `_ep_routed`).
+shared. All of it is dropless: B is the worst case (see `_ep_routed`). The ragged Combine sends
+each row back to the place its source sorted it to (the counts exchange carries those offsets),
+so a source receives its own N*K rows, not a worst-case buffer; Dispatch and Combine are each
+other's transpose, and the backward pass runs them as such (`_ragged_move`).
 
 Tensor parallelism (inference): the whole forward runs inside one `shard_map` over `tensor`;
 attention heads, shared/dense MLP width and experts are split, partial sums meet in psums.
@@ -23,6 +26,7 @@ attention heads, shared/dense MLP width and experts are split, partial sums meet
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -116,23 +120,55 @@ def _regroup(recv_counts_gl: jax.Array, per_src: int) -> _Regroup:
     return _Regroup(jnp.minimum(dst_r, rows - 1), src_r, starts_l)
 
 
-def _exchange(rows: jax.Array, per_src: int, input_offsets_g: jax.Array, send_sizes_g: jax.Array,
-              recv_sizes_g: jax.Array, exchange: str) -> jax.Array:
-    """Sends rows[input_offsets[g] : + send_sizes[g]] to rank g, which stores them at
-    [me*B, me*B + size) of its [G*B, D] receive buffer. Padded: `rows` is already [G*B, D] with
-    input_offsets[g] = g*B, and the whole buffer travels."""
-    groups = send_sizes_g.shape[0]
-    if exchange == "ragged":
-        me = jax.lax.axis_index("expert")
-        # The result takes the `output` buffer's type. A plain zeros is mesh-invariant: the result
-        # would be too, and the backward pass would psum the receive buffer's cotangent over the
-        # mesh (a 768 MiB all-reduce per exchange at DSV2-Lite EP=8). Tokens vary over BATCH_AXES.
-        out = jax.lax.pcast(jnp.zeros((groups * per_src, rows.shape[-1]), rows.dtype), BATCH_AXES,
-                            to="varying")
-        output_offsets_g = jnp.full((groups,), me * per_src, jnp.int32)
-        return jax.lax.ragged_all_to_all(rows, out, input_offsets_g, send_sizes_g, output_offsets_g,
-                                         recv_sizes_g, axis_name="expert")
-    return jax.lax.all_to_all(rows.reshape(groups, per_src, -1), "expert", 0, 0).reshape(groups * per_src, -1)
+class _Plan(NamedTuple):
+    """One ragged exchange over `expert`, and what its transpose needs; every field is [G] int32.
+
+    This rank sends x[in_off[g] : in_off[g] + send[g]] to rank g, where it lands at out_off[g] of
+    g's output; it receives recv[s] rows from source s at back_in[s] of its own output, taken
+    from back_out[s] of s's operand. The Dispatch and the Combine are each other's transpose.
+    """
+
+    in_off: jax.Array
+    send: jax.Array
+    out_off: jax.Array
+    recv: jax.Array
+    back_in: jax.Array
+    back_out: jax.Array
+
+    def transposed(self) -> _Plan:
+        return _Plan(self.back_in, self.recv, self.back_out, self.send, self.in_off, self.out_off)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ragged_move(out_rows: int, x: jax.Array, plan: _Plan) -> jax.Array:
+    """`plan`'s exchange of the rows of x into a zero [out_rows, D] buffer (ragged_all_to_all).
+
+    Why a custom VJP: JAX's transpose of ragged_all_to_all learns the peers' offsets with two
+    extra all_to_alls per exchange (a sync point each in the backward, in XLA's one collective
+    slot) and masks the output cotangent with a cumsum; `plan` already holds both sides' offsets
+    (the counts exchange carried them), so the transpose is the transposed plan's exchange.
+    """
+    # The result takes the `output` buffer's type. A plain zeros is mesh-invariant: the result
+    # would be too, and the backward pass would psum the receive buffer's cotangent over the
+    # mesh (a 768 MiB all-reduce per exchange at DSV2-Lite EP=8). Tokens vary over BATCH_AXES.
+    out = jax.lax.pcast(jnp.zeros((out_rows, x.shape[-1]), x.dtype), BATCH_AXES, to="varying")
+    return jax.lax.ragged_all_to_all(x, out, plan.in_off, plan.send, plan.out_off, plan.recv,
+                                     axis_name="expert")
+
+
+def _ragged_move_fwd(out_rows: int, x: jax.Array, plan: _Plan) -> tuple[jax.Array, tuple[_Plan, jax.Array]]:
+    # The zero-size slice carries x's row count (a residual must be an array) at no cost.
+    return _ragged_move(out_rows, x, plan), (plan, x[:, :0])
+
+
+def _ragged_move_bwd(out_rows: int, res: tuple[_Plan, jax.Array], ct: jax.Array) -> tuple[jax.Array, None]:
+    del out_rows
+    plan, x_rows = res
+    # Rows of x that were not sent get a zero cotangent: nothing lands there in the transpose.
+    return _ragged_move(x_rows.shape[0], ct, plan.transposed()), None
+
+
+_ragged_move.defvjp(_ragged_move_fwd, _ragged_move_bwd)
 
 
 def _ep_routed(x_nd, weights_nk, experts_nk, w_gld: tuple[jax.Array, ...], cfg: ModelConfig, groups: int,
@@ -152,34 +188,46 @@ def _ep_routed(x_nd, weights_nk, experts_nk, w_gld: tuple[jax.Array, ...], cfg: 
     counts_gl = jnp.diff(srt.starts_g).reshape(groups, local)
     send_sizes_g = counts_gl.sum(axis=1)
     send_start_g = srt.starts_g[:-1:local]
+    recv_start_gq = jnp.arange(groups, dtype=jnp.int32) * per_src  # source s's rows start at s*B here
     with jax.named_scope("dispatch"):
+        # One tiny all_to_all carries the counts and where each slice starts in its sender's
+        # sorted rows: the Combine sends every row back to exactly that place, so a source's
+        # Combine output holds only its own N*K rows, not the worst-case receive buffer.
         # Tagged for remat="save_a2a" (model/transformer.py): the backward pass reuses what the
         # all-to-alls received instead of running them again.
-        recv_counts_gl = checkpoint_name(jax.lax.all_to_all(counts_gl, "expert", 0, 0), A2A_COUNTS)
+        meta_gm = jnp.concatenate([counts_gl, send_start_g[:, None]], axis=1)
+        recv_meta_gm = checkpoint_name(jax.lax.all_to_all(meta_gm, "expert", 0, 0), A2A_COUNTS)
+        recv_counts_gl, src_start_g = recv_meta_gm[:, :local], recv_meta_gm[:, local]
         recv_sizes_g = recv_counts_gl.sum(axis=1)
         if exchange == "ragged":
-            rows = x_nd[srt.order_a // k]
-            offsets_g = send_start_g
+            me = jax.lax.axis_index("expert")
+            plan = _Plan(in_off=send_start_g, send=send_sizes_g,
+                         out_off=jnp.full((groups,), me * per_src, jnp.int32), recv=recv_sizes_g,
+                         back_in=recv_start_gq, back_out=src_start_g)
+            recv_rd = _ragged_move(groups * per_src, x_nd[srt.order_a // k], plan)
         else:  # per-destination buffers: slot q of rank g holds sorted row send_start[g] + q
             slot_gq = send_start_g[:, None] + jnp.arange(per_src, dtype=jnp.int32)
             token_gq = srt.order_a[jnp.minimum(slot_gq, n * k - 1)] // k
             filled_gq = slot_gq < (send_start_g + send_sizes_g)[:, None]
-            rows = jnp.where(filled_gq[..., None], x_nd[token_gq], 0).reshape(groups * per_src, -1)
-            offsets_g = jnp.arange(groups, dtype=jnp.int32) * per_src
-        recv_rd = _exchange(rows, per_src, offsets_g, send_sizes_g, recv_sizes_g, exchange)
+            rows = jnp.where(filled_gq[..., None], x_nd[token_gq], 0)
+            recv_rd = jax.lax.all_to_all(rows, "expert", 0, 0).reshape(groups * per_src, -1)
         recv_rd = checkpoint_name(recv_rd, A2A_DISPATCH)
     with jax.named_scope("experts"):
         rg = _regroup(recv_counts_gl, per_src)
         y_rd = grouped_ffn(recv_rd[rg.src_r], rg.starts_l, *w_gld, matmul, groups * per_expert)
         back_rd = y_rd[rg.dst_r]
-    with jax.named_scope("combine"):
-        back_offsets_g = jnp.arange(groups, dtype=jnp.int32) * per_src
-        out_rd = _exchange(back_rd, per_src, back_offsets_g, recv_sizes_g, send_sizes_g, exchange)
-        out_rd = checkpoint_name(out_rd, A2A_COMBINE)
-    # Assignment a (sorted row inv[a], to rank g) comes back at g*B + inv[a] - send_start[g].
     valid_a = ids_a < e
-    rank_a = jnp.minimum(ids_a // local, groups - 1)
-    back_a = jnp.where(valid_a, rank_a * per_src + srt.inv_a - send_start_g[rank_a], 0)
+    with jax.named_scope("combine"):
+        if exchange == "ragged":
+            # Rows come back in this rank's sorted order: [N*K, D]; dropped ones stay zero.
+            out_rd = checkpoint_name(_ragged_move(n * k, back_rd, plan.transposed()), A2A_COMBINE)
+            back_a = srt.inv_a
+        else:  # the whole [G*B, D] buffer travels; assignment a (sorted row inv[a], to rank g)
+            # comes back at g*B + inv[a] - send_start[g]
+            out_rd = jax.lax.all_to_all(back_rd.reshape(groups, per_src, -1), "expert", 0, 0)
+            out_rd = checkpoint_name(out_rd.reshape(groups * per_src, -1), A2A_COMBINE)
+            rank_a = jnp.minimum(ids_a // local, groups - 1)
+            back_a = jnp.where(valid_a, rank_a * per_src + srt.inv_a - send_start_g[rank_a], 0)
     routed = weighted_sum(out_rd[back_a].reshape(n, k, -1), valid_a.reshape(n, k), weights_nk)
     if cfg.capacity_factor > 0:  # equal tokens per shard: the mean of means is the global mean
         dropped = jax.lax.pmean(dropped, BATCH_AXES)
@@ -192,10 +240,23 @@ class TensorParallel:
 
     axis: str = "tensor"
     device: Any = None  # one of the mesh's devices: picks expert_matmul "auto" (None: jax.devices()[0])
+    mode: str = "psum"  # ModelConfig.tp_reduce: psum, or reduce_scatter (+ all-gather)
 
     def reduce(self, v: jax.Array, name: str) -> jax.Array:
+        """The sum of the ranks' partial `v` [B, T, D], replicated; `name` scopes the collectives."""
         with jax.named_scope(name):
-            return jax.lax.psum(v, self.axis)
+            if self.mode == "psum":
+                return jax.lax.psum(v, self.axis)
+            if self.mode != "reduce_scatter":
+                raise ValueError(f"model.tp_reduce={self.mode!r}: expected 'psum' or 'reduce_scatter'")
+            # Half a psum's traffic each. Only the residual add reads the gathered sum, so XLA is
+            # free to start the all-gather late, just before whatever next reads the sum.
+            ranks = jax.lax.axis_size(self.axis)
+            dim = 1 if v.shape[1] % ranks == 0 else v.ndim - 1  # tokens, else the model width
+            with jax.named_scope("reduce_scatter"):
+                part = jax.lax.psum_scatter(v, self.axis, scatter_dimension=dim, tiled=True)
+            with jax.named_scope("all_gather"):
+                return jax.lax.all_gather(part, self.axis, axis=dim, tiled=True)
 
     def routed_fn(self, x_nd: jax.Array, routing: Routing, experts: RoutedExperts,
                   cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -231,12 +292,14 @@ def ep_forward(graphdef: nnx.GraphDef, mesh: Mesh) -> Callable[..., Any]:
 
 
 def tp_forward(graphdef: nnx.GraphDef, state_like: Any, mesh: Mesh) -> Callable[..., Any]:
-    """`f(state, input_ids, positions, segment_ids) -> (logits, hidden)`: the inference TP layout."""
-    par = TensorParallel(device=mesh.devices.flat[0])
+    """`f(state, input_ids, positions, segment_ids) -> (logits, hidden)`: the inference TP layout
+    (with the model's `tp_reduce`; `tp_microbatches` is read by the model itself)."""
     specs = param_specs_tree(state_like, "tp")
 
     def body(state, input_ids, positions, segment_ids):
-        out = nnx.merge(graphdef, state)(input_ids, positions, segment_ids, parallel=par)
+        model = nnx.merge(graphdef, state)
+        par = TensorParallel(device=mesh.devices.flat[0], mode=model.cfg.tp_reduce)
+        out = model(input_ids, positions, segment_ids, parallel=par)
         return out.logits, out.hidden
 
     def f(state, input_ids, positions=None, segment_ids=None):
