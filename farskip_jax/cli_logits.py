@@ -262,8 +262,9 @@ def check_vocab(ids: np.ndarray, vocab_size: int, path: str | Path) -> np.ndarra
 
 
 def pad_rows(ids: np.ndarray, multiple: int) -> np.ndarray:
-    """Appends token-0 rows until the batch divides by `multiple` (the rows are independent:
-    attention stays inside a row and dropless routing gives each token every expert it picks)."""
+    """Appends token-0 rows until the batch divides by `multiple`. Rows are independent, so the
+    real rows' logits do not change: attention stays inside a row, and routing is dropless or,
+    with a capacity factor, limited per sequence (ModelConfig.capacity_factor)."""
     pad = -ids.shape[0] % multiple
     return np.concatenate([ids, np.zeros((pad, ids.shape[1]), ids.dtype)]) if pad else ids
 
