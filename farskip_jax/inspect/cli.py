@@ -71,19 +71,39 @@ def add_inspect_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="do not add farskip_jax.xla_flags.compiler_options_for(target)")
     g.add_argument("--save-hlo", action=argparse.BooleanOptionalAction, default=True,
                    help="write the scheduled HLO per mode, gzip-compressed (scheduled_<mode>.hlo.txt.gz)")
+    g.add_argument("--pgle", choices=("auto", "synthetic", "off"), default="auto",
+                   help="schedule with a synthetic PGLE profile priced by the inspector's own cost model "
+                        "(inspect/pgle.py; two compiles per mode). auto = synthetic for mi300x, whose "
+                        "scheduler otherwise uses fixed-cost units, off for h200 and local")
     g.add_argument("--timeline", action=argparse.BooleanOptionalAction, default=True,
                    help="draw the estimated timeline of two middle layers (report_<mode>.timeline.png)")
     return parser
 
 
-def _compile(fn: Any, specs: Sequence[Any], args: argparse.Namespace) -> Any:
-    from farskip_jax.inspect import aot
+def use_pgle(args: argparse.Namespace) -> bool:
+    choice = getattr(args, "pgle", "off")
+    return choice == "synthetic" or (choice == "auto" and args.target == "mi300x")
+
+
+def _compile(fn: Any, specs: Sequence[Any], args: argparse.Namespace,
+             profile_dir: Path | None = None) -> tuple[Any, dict[str, Any]]:
+    """(compiled artifacts, extra report meta): with PGLE the meta names the profile and how the
+    run without it (the baseline, the same compile XLA schedules with its default costs) did."""
+    from farskip_jax.inspect import aot, pgle
 
     try:
+        if use_pgle(args):
+            res = pgle.compile_with_synthetic_pgle(fn, *specs, target=args.target,
+                                                   compiler_options=dict(args.compiler_option),
+                                                   default_options=not args.no_default_options,
+                                                   dump_lhs_schedule=args.lhs_dump,
+                                                   profile_dir=profile_dir)
+            return res.artifacts, {"pgle": {"profile": res.profile_path, "costs": res.num_costs,
+                                            "checker": res.checker}, "_baseline": res.baseline}
         return aot.compile_scheduled_hlo(fn, *specs, target=args.target,
                                          compiler_options=dict(args.compiler_option),
                                          default_options=not args.no_default_options,
-                                         dump_lhs_schedule=args.lhs_dump)
+                                         dump_lhs_schedule=args.lhs_dump), {}
     except Exception as e:  # the runtime error type differs across jaxlib versions
         if "Couldn't find output tile sizes" not in str(e):
             raise
@@ -112,10 +132,18 @@ def run_inspect(args: argparse.Namespace, build_step: BuildStep) -> dict[str, An
     for mode in modes:
         fn, specs = build_step(mesh, mode)
         with _ticker(f"[{mode}] compiling for {args.target}"):
-            art = _compile(fn, specs, args)
+            art, extra = _compile(fn, specs, args, out / f"pgle_{mode}")
         analysis = hlo.analyze(art.hlo_text, args.target, art.lhs_schedule_text)
         analyses[mode] = analysis
         meta = {"mode": mode, "mesh": args.mesh, **art.summary()}
+        baseline = extra.pop("_baseline", None)
+        meta.update(extra)
+        if baseline is not None:
+            base = hlo.analyze(baseline.hlo_text, args.target).totals
+            meta["pgle"]["without_profile"] = {
+                "all": base["all"]["hidden_frac"],
+                **{kind: agg["hidden_frac"] for kind, agg in base["by_kind"].items()}}
+            print(f"[{mode}] without PGLE: hidden {_fmt(base['all']['hidden_frac'])}")
         paths = report.write_reports(analysis, out, name=f"report_{mode}", meta=meta, memory=art.memory)
         if getattr(args, "save_hlo", True):
             # compresses ~10x (a DSV2-Lite train step is ~100 MB of text); zcat or gzip.open to read
