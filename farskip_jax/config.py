@@ -57,6 +57,12 @@ class FarSkipConfig:
     mlp_only: bool = False
     first_n: int | None = None
     last_n: int | None = None
+    # Sub-blocks of staleness (model/farskip.py has the equations). 1: the paper's FarSkip (each
+    # sub-block's input lacks the previous sub-block's communicated output). 2: EXPERIMENTAL, no
+    # published system has trained it: each sub-block's input lacks the previous two sub-blocks'
+    # outputs, so every TP psum / EP Combine may run under two sub-blocks instead of one. It is a
+    # different model (needs FCSD), only with attention and MoE both stale (no attn_only/mlp_only).
+    stale_blocks: int = 1
 
     def layer_range(self, num_layers: int) -> range:
         """Indices of the layers with FarSkip connectivity (empty when disabled)."""
@@ -136,6 +142,18 @@ class ModelConfig:
     # attention; "scan" runs equal consecutive layers in one lax.scan (a measurement option: it
     # stacks their weights every step, see model/transformer.py:_scan_layers).
     layer_loop: Literal["unrolled", "scan"] = "unrolled"
+    # Tensor-parallel inference only (ignored by the expert-parallel trainer). tp_microbatches > 1
+    # splits each sequence's tokens into that many equal chunks whose FFNs and psums run separately
+    # (attention, the only op that mixes tokens, still runs once over all of them), so one chunk's
+    # psums can hide under another chunk's compute; lossless (dropless routing required: capacity is
+    # per sequence). tp_reduce "reduce_scatter": each psum becomes a reduce-scatter over the token
+    # axis followed by an all-gather, which XLA may schedule later, where the sum is read.
+    tp_microbatches: int = 1
+    tp_reduce: Literal["psum", "reduce_scatter"] = "psum"
+    # Tensor-parallel inference: optimization barriers that fix the order of the sub-blocks (and
+    # chain the token chunks' FFNs) so that XLA schedules under each psum the compute that the
+    # wiring lets it overlap (model/farskip.py `_join`). Scheduling only: the numbers are unchanged.
+    tp_order_barriers: bool = True
     farskip: FarSkipConfig = dataclasses.field(default_factory=FarSkipConfig)
 
     @property
@@ -150,7 +168,7 @@ class ModelConfig:
                     "num_layers", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                     "v_head_dim", "n_routed_experts", "num_experts_per_tok", "moe_layer_freq",
                     "n_group", "topk_group", "aux_device_groups", "attention_block_q",
-                    "attention_block_kv"]
+                    "attention_block_kv", "tp_microbatches"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be > 0, got {getattr(self, name)}")
@@ -169,7 +187,19 @@ class ModelConfig:
                                   f"got {self.topk_group}")
             if self.topk_group * (self.n_routed_experts // self.n_group) < self.num_experts_per_tok:
                 raise ConfigError("model.topk_group groups hold fewer experts than num_experts_per_tok")
+        if self.tp_microbatches > 1 and self.capacity_factor > 0:
+            raise ConfigError("model.tp_microbatches > 1 needs dropless routing "
+                              "(model.capacity_factor <= 0): capacity is counted per sequence, so chunks "
+                              "would drop other tokens")
+        if self.tp_microbatches > 1 and self.layer_loop == "scan":
+            raise ConfigError("model.tp_microbatches > 1 needs model.layer_loop=unrolled (the chunks of "
+                              "one layer interleave with those of the next)")
         fs = self.farskip
+        if fs.stale_blocks not in (1, 2):
+            raise ConfigError(f"model.farskip.stale_blocks must be 1 or 2, got {fs.stale_blocks}")
+        if fs.stale_blocks == 2 and (fs.attn_only or fs.mlp_only):
+            raise ConfigError("model.farskip.stale_blocks=2 is defined for attention and MoE both stale: "
+                              "it excludes attn_only and mlp_only")
         if fs.attn_only and fs.mlp_only:
             raise ConfigError("model.farskip.attn_only and model.farskip.mlp_only are exclusive")
         if fs.first_n is not None and fs.last_n is not None:
@@ -225,7 +255,8 @@ class ModelConfig:
             farskip=FarSkipConfig(
                 enabled=bool(hf.get("farskip", False)), start_idx=hf.get("farskip_start_idx"),
                 end_idx=hf.get("farskip_end_idx"), attn_only=bool(hf.get("attn_only_farskip", False)),
-                mlp_only=bool(hf.get("mlp_only_farskip", False))),
+                mlp_only=bool(hf.get("mlp_only_farskip", False)),
+                stale_blocks=int(hf.get("farskip_stale_blocks", 1))),
         )
         if hf.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"config.json hidden_act={hf['hidden_act']!r}: only 'silu' is supported")
@@ -269,6 +300,9 @@ class ModelConfig:
             "farskip_start_idx": fs_range.start if fs.enabled and len(fs_range) else None,
             "farskip_end_idx": fs_range.stop - 1 if fs.enabled and len(fs_range) else None,
             "attn_only_farskip": fs.attn_only, "mlp_only_farskip": fs.mlp_only,
+            # Ours (no Instella key): written only for the experimental stale_blocks=2 model, so
+            # that it does not load back as the paper's FarSkip.
+            **({"farskip_stale_blocks": fs.stale_blocks} if fs.stale_blocks != 1 else {}),
         }
 
 

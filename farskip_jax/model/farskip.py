@@ -1,4 +1,4 @@
-"""The FarSkip layer recurrence: the one place that knows there are two residual streams.
+"""The FarSkip layer recurrence: the one place that knows there are several residual streams.
 
 Notation (FARSKIP.md section 1): `x` is the full residual stream, `y` the stream without the
 previous layer's routed-expert output (None when the two streams coincide). A/S/R/M are the
@@ -16,14 +16,38 @@ uses y := x and is a "parallel block". Every path calls `residual_step`: the sin
 reference, the expert-parallel training path (R arrives from an all-to-all Combine) and the
 tensor-parallel inference path (`reduce` is a psum over the tensor axis; the FarSkip order lets
 one psum carry A + S while the routed psum is consumed only by the next layer's MoE input).
+
+Staleness two (`farskip.stale_blocks: 2`, EXPERIMENTAL: no published system has trained it).
+In the paper's FarSkip every sub-block (attention, MoE) reads a stream that lacks the output of
+the one sub-block before it (the MoE lacks this layer's A; attention lacks the previous layer's
+R, while S, which EP computes locally, is already in). With two, every sub-block's input lacks
+the outputs of the two sub-blocks before it, a two-step "ladder". The carried stale state is a
+`Ladder(w, v)` instead of y; for layer k (input x_k, previous layer's input x_{k-1}):
+
+    stale_blocks=2 MoE layer:  w_k = x_{k-1},  v_k = x_{k-1} + A_{k-1}
+                               A_k = Attn(LN1(w_k));  S_k, R_k = MoE(LN2(v_k))
+                               x_{k+1} = (x_k + A_k) + (R_k + S_k)
+                               w_{k+1} = x_k;  v_{k+1} = x_k + A_k
+    dense layer:               A = Attn(LN1(w)), M = MLP(LN2(v)), x' = (x + A) + M, no Ladder
+
+so attention k reads neither layer k-1's MoE output nor its attention output, and the MoE of
+layer k reads neither its own A_k nor layer k-1's S and R. A layer without a Ladder (first of the
+range, after a dense or regular layer) uses w = v = x: a parallel block, as above. Under tensor
+parallelism both psums then have two sub-blocks to hide under: psum(A_k) is first read by the
+MoE of k+1 (it runs under the MoE of k and the attention of k+1), psum(S_k + R_k) by the
+attention of k+2 (under the attention and MoE of k+1).
+
+Token chunks (`residual_step_chunks`, the TP option `tp_microbatches`) run this same recurrence
+per chunk of a sequence; only attention, the one op that mixes tokens, runs over all chunks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from farskip_jax.config import ModelConfig
 
@@ -31,17 +55,33 @@ from farskip_jax.config import ModelConfig
 class Connectivity(NamedTuple):
     attn_stale: bool  # attention reads y: it need not wait for the previous layer's Combine
     mlp_stale: bool  # the FFN reads x: it need not wait for this layer's attention
+    stale_blocks: int = 1  # 2: the experimental two-sub-block ladder (module docstring)
+    # Under tensor parallelism, order the sub-blocks with optimization barriers so that each psum
+    # has the compute it may overlap scheduled under it (`_after`; ModelConfig.tp_order_barriers).
+    tp_ordered: bool = False
 
 
 REGULAR = Connectivity(False, False)
 
 
 def layer_connectivity(cfg: ModelConfig) -> list[Connectivity]:
-    """Per-layer connectivity from `cfg.farskip` (range, first/last N, attn-/mlp-only)."""
+    """Per-layer connectivity from `cfg.farskip` (range, first/last N, attn-/mlp-only, staleness)."""
     fs = cfg.farskip
-    on = Connectivity(attn_stale=not fs.mlp_only, mlp_stale=not fs.attn_only)
+    on = Connectivity(attn_stale=not fs.mlp_only, mlp_stale=not fs.attn_only, stale_blocks=fs.stale_blocks,
+                      tp_ordered=cfg.tp_order_barriers)
     in_range = set(fs.layer_range(cfg.num_layers))
     return [on if i in in_range else REGULAR for i in range(cfg.num_layers)]
+
+
+class Ladder(NamedTuple):
+    """The stale state under stale_blocks=2: the streams the next layer's sub-blocks read."""
+
+    attn_in: jax.Array  # w: the previous layer's input x (no A, S, R of the previous layer)
+    ffn_in: jax.Array  # v: w + the previous layer's A
+
+
+# What a layer hands the next besides x: y (stale_blocks=1), a Ladder (2), None (one stream).
+Stale = jax.Array | Ladder | None
 
 
 class FFNOut(NamedTuple):
@@ -59,9 +99,41 @@ def _plus(a: jax.Array, b: jax.Array | None) -> jax.Array:
     return a if b is None else a + b
 
 
-def residual_step(x: jax.Array, y: jax.Array | None, conn: Connectivity, is_moe: bool, attn: AttnFn,
+def attention_input(x: jax.Array, y: Stale, conn: Connectivity) -> jax.Array:
+    """The stream a layer's attention reads (x when it is not stale or no stale stream came in)."""
+    if not conn.attn_stale or y is None:
+        return x
+    return y.attn_in if isinstance(y, Ladder) else y
+
+
+def parallel_block_state(x: jax.Array, conn: Connectivity) -> jax.Array | Ladder:
+    """A stale state equivalent to None (every sub-block reads x), for loop carries of fixed structure."""
+    return Ladder(x, x) if conn.stale_blocks == 2 else x
+
+
+def _join(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(a, b), both available only once both are computed: an XLA optimization barrier, which
+    constrains the schedule and leaves the numbers unchanged.
+
+    Why (tensor-parallel inference): XLA's latency-hiding scheduler estimates a psum at a fraction
+    of its transfer time (on H200 it puts ~20 us of compute under a 16 MiB psum that the link
+    model puts at 70 us) and keeps one collective in flight, so left alone it starts each psum
+    just before its reader and interleaves the sub-blocks of neighbouring layers. Joining the two
+    values a sub-block reads fixes the order: the collective still in flight then has the other
+    sub-block scheduled under it. Both outputs are used on purpose: with only one of them used,
+    the same barrier measured worse (the schedule then still lets the psums bunch up).
+    """
+    return jax.lax.optimization_barrier((a, b))
+
+
+def _after(value: jax.Array, dep: jax.Array) -> jax.Array:
+    """`value`, available only once `dep` is computed (`_join`, keeping only the first output)."""
+    return _join(value, dep)[0]
+
+
+def residual_step(x: jax.Array, y: Stale, conn: Connectivity, is_moe: bool, attn: AttnFn,
                   ffn: FFNFn, reduce: ReduceFn | None = None
-                  ) -> tuple[jax.Array, jax.Array | None, dict[str, jax.Array]]:
+                  ) -> tuple[jax.Array, Stale, dict[str, jax.Array]]:
     """One decoder layer's residual wiring; returns (x', y', aux).
 
     `attn` and `ffn` take their (already normed) inputs and return full outputs, or per-device
@@ -69,7 +141,20 @@ def residual_step(x: jax.Array, y: jax.Array | None, conn: Connectivity, is_moe:
     reference implementations so that regular connectivity reproduces HF's model exactly.
     """
     two_streams = is_moe and conn.attn_stale
-    a = attn(y if conn.attn_stale and y is not None else x)
+    ordered = conn.tp_ordered and reduce is not None
+    a = attn(attention_input(x, y, conn))
+    if conn.stale_blocks == 2:  # attention and FFN both stale (config validation)
+        out = ffn(x if y is None else y.ffn_in)
+        if reduce is None:
+            h = x + a
+            x_new = h + _plus(out.main, out.shared)
+            return x_new, (Ladder(x, h) if is_moe else None), out.aux
+        # The reductions of a regular layer; only their readers moved (module docstring).
+        h = x + reduce(a, "tp_psum_attn")
+        f = _plus(out.main, out.shared)
+        if ordered:  # the next MoE (it reads h) after this one: XLA otherwise runs both at once
+            h, f = _join(h, f)
+        return h + reduce(f, "tp_psum_ffn"), (Ladder(x, h) if is_moe else None), out.aux
     if reduce is None:
         h = x + a
         out = ffn(x if conn.mlp_stale else h)
@@ -77,6 +162,12 @@ def residual_step(x: jax.Array, y: jax.Array | None, conn: Connectivity, is_moe:
         return x_new, (_plus(h, out.shared) if two_streams else None), out.aux
     if conn.mlp_stale:
         # A and the FFN read the same layer input: their partial sums share reductions.
+        if ordered and two_streams and y is not None:
+            # x carries the previous layer's routed psum: joined with A, the MoE and the A + S
+            # psum follow this attention, which then runs under that psum (a parallel block,
+            # y None, has no such psum). The order is [attention || routed psum k-1], then
+            # [MoE || A + S psum], then [next attention || routed psum k].
+            x, a = _join(x, a)
         out = ffn(x)
         if two_streams:
             y_new = x + reduce(_plus(a, out.shared), "tp_psum_attn_shared")
@@ -88,3 +179,40 @@ def residual_step(x: jax.Array, y: jax.Array | None, conn: Connectivity, is_moe:
         y_new = h if out.shared is None else h + reduce(out.shared, "tp_psum_shared")
         return y_new + reduce(out.main, "tp_psum_routed"), y_new, out.aux
     return h + reduce(_plus(out.main, out.shared), "tp_psum_ffn"), None, out.aux
+
+
+def residual_step_chunks(xs: Sequence[jax.Array], ys: Sequence[Stale], conn: Connectivity, is_moe: bool,
+                         attn: AttnFn, ffn: FFNFn, reduce: ReduceFn | None = None, staggered: bool = False
+                         ) -> tuple[list[jax.Array], list[Stale], dict[str, jax.Array]]:
+    """`residual_step` on token chunks of the same sequences (split on axis 1); returns per-chunk
+    (x', y') and the chunks' mean aux.
+
+    Attention is the only op that mixes tokens, so it runs once, over the concatenation of the
+    chunks of the stream it reads. Everything else (norms, router, experts, reductions, residual
+    adds) is per token: each chunk runs the recurrence on its own, and XLA may run one chunk's
+    psums under the other chunk's FFN or under the next layer's attention. The values are those
+    of one chunk (dropless routing; matmuls over fewer rows may round differently); balance losses
+    become means of per-chunk statistics, which inference does not use.
+
+    `staggered` chains the chunks' FFNs, as MaxText's batch-split schedule does: chunk c's FFN
+    starts after chunk c-1's output exists, and chunk 0 of the next layer after the last chunk
+    of this one, so each chunk's psums run under the next chunk's FFN.
+    """
+    a = attn(jnp.concatenate([attention_input(x, y, conn) for x, y in zip(xs, ys, strict=True)], axis=1))
+    bounds = [sum(x.shape[1] for x in xs[:i]) for i in range(1, len(xs))]
+    previous: list[jax.Array] = []  # the FFN outputs so far, for the stagger
+
+    def chained_ffn(h: jax.Array) -> FFNOut:
+        out = ffn(_after(h, previous[-1]) if staggered and previous else h)
+        previous.append(out.main)
+        return out
+
+    results = []
+    for c, (x, y, a_c) in enumerate(zip(xs, ys, jnp.split(a, bounds, axis=1), strict=True)):
+        with jax.named_scope(f"chunk_{c}"):
+            results.append(residual_step(x, y, conn, is_moe, lambda _, a_c=a_c: a_c, chained_ffn, reduce))
+    xs_new = [r[0] for r in results]
+    if staggered:
+        xs_new[0] = _after(xs_new[0], previous[-1])
+    aux = {k: sum(r[2][k] for r in results) / len(results) for k in results[0][2]}
+    return xs_new, [r[1] for r in results], aux

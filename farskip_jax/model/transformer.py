@@ -15,7 +15,16 @@ from flax import nnx
 from farskip_jax.config import ModelConfig
 from farskip_jax.model.attention import MLAttention
 from farskip_jax.model.dispatch import A2A_NAMES
-from farskip_jax.model.farskip import Connectivity, FFNOut, ReduceFn, layer_connectivity, residual_step
+from farskip_jax.model.farskip import (
+    Connectivity,
+    FFNOut,
+    ReduceFn,
+    Stale,
+    layer_connectivity,
+    parallel_block_state,
+    residual_step,
+    residual_step_chunks,
+)
 from farskip_jax.model.layers import DTYPES, MLP, RMSNorm, normal_init
 from farskip_jax.model.moe import MoE, RoutedFn, local_routed
 
@@ -34,13 +43,15 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
         self.attn = MLAttention(cfg, rngs)
         self.is_moe = cfg.is_moe_layer(idx)
+        self.tp_order_barriers = cfg.tp_order_barriers
         if self.is_moe:
             self.moe = MoE(cfg, rngs)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg, rngs)
 
-    def __call__(self, x: jax.Array, y: jax.Array | None, positions: jax.Array, segment_ids: jax.Array,
-                 conn: Connectivity, routed_fn: RoutedFn, reduce: ReduceFn | None):
+    def __call__(self, x: jax.Array | list[jax.Array], y: Stale | list[Stale], positions: jax.Array,
+                 segment_ids: jax.Array, conn: Connectivity, routed_fn: RoutedFn, reduce: ReduceFn | None):
+        """(x', y', aux); x and y are lists of token chunks under `tp_microbatches` (farskip.py)."""
         def attn(h):
             with jax.named_scope("attention"):
                 return self.attn(self.input_norm(h), positions, segment_ids)
@@ -53,6 +64,9 @@ class DecoderLayer(nnx.Module):
             with jax.named_scope("mlp"):
                 return FFNOut(None, self.mlp(h), {})
 
+        if isinstance(x, list):
+            return residual_step_chunks(x, y, conn, self.is_moe, attn, ffn, reduce,
+                                        staggered=self.tp_order_barriers and reduce is not None)
         return residual_step(x, y, conn, self.is_moe, attn, ffn, reduce)
 
 
@@ -97,6 +111,13 @@ class Transformer(nnx.Module):
 
         x = jnp.take(self.embed[...], input_ids, axis=0).astype(dt)
         y = None
+        # Tensor-parallel token chunks: the stream is carried as a list of chunks through every layer,
+        # so that a chunk's next layer reads only its own psums (farskip.residual_step_chunks).
+        chunks = cfg.tp_microbatches if reduce is not None else 1
+        if chunks > 1:
+            if t % chunks:
+                raise ValueError(f"model.tp_microbatches={chunks} does not divide {t} tokens per sequence")
+            x, y = jnp.split(x, chunks, axis=1), [None] * chunks
         aux_sum: dict[str, Any] = {}
         outputs = []
         conns = self.connectivity()
@@ -107,7 +128,7 @@ class Transformer(nnx.Module):
                 with jax.named_scope(f"layer_{i}"):
                     x, y, aux = _maybe_remat(self.layers[i], cfg.remat)(x, y, positions, segment_ids,
                                                                         conns[i], routed_fn, reduce)
-                xs: list[jax.Array] = [x]
+                xs: list[jax.Array] = [_concat(x) if chunks > 1 else x]
             else:
                 with jax.named_scope(f"layers_{group[0]}_{group[-1]}"):
                     x, y, xs, aux = _scan_layers([self.layers[i] for i in group], conns[group[0]], cfg.remat,
@@ -118,6 +139,8 @@ class Transformer(nnx.Module):
         n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
         if "dropped_fraction" in aux_sum:
             aux_sum["dropped_fraction"] = aux_sum["dropped_fraction"] / max(n_moe, 1)
+        if chunks > 1:
+            x = _concat(x)
         hidden = self.final_norm(x)  # the final norm reads x; y is dropped
         logits = self.logits(hidden) if compute_logits else None
         return ModelOutput(logits, hidden, aux_sum, tuple(outputs))
@@ -130,6 +153,11 @@ class Transformer(nnx.Module):
         with jax.named_scope("lm_head"):
             w = self.head_weights().astype(hidden_btd.dtype)
             return jnp.dot(hidden_btd, w, preferred_element_type=jnp.float32)
+
+
+def _concat(chunks: list[jax.Array]) -> jax.Array:
+    """Token chunks (axis 1) back into one array."""
+    return jnp.concatenate(chunks, axis=1)
 
 
 def _maybe_remat(layer: DecoderLayer, policy: str):
@@ -173,9 +201,9 @@ def _layer_groups(cfg: ModelConfig, conns: list[Connectivity]) -> list[list[int]
 
 
 def _scan_layers(layers: list[DecoderLayer], conn: Connectivity, remat: str, x: jax.Array,
-                 y: jax.Array | None, positions: jax.Array, segment_ids: jax.Array, routed_fn: RoutedFn,
+                 y: Stale, positions: jax.Array, segment_ids: jax.Array, routed_fn: RoutedFn,
                  reduce: ReduceFn | None
-                 ) -> tuple[jax.Array, jax.Array | None, list[jax.Array], dict[str, jax.Array]]:
+                 ) -> tuple[jax.Array, Stale, list[jax.Array], dict[str, jax.Array]]:
     """Runs equal layers as one `lax.scan` over their stacked parameters, carrying (x, y).
 
     A measurement option (`layer_loop="scan"`), not the production path: the per-layer leaves
@@ -184,8 +212,8 @@ def _scan_layers(layers: list[DecoderLayer], conn: Connectivity, remat: str, x: 
     collectives across a layer boundary when every layer is the same loop body: the carry holds
     both streams, so a layer's pending routed output (Combine) and the next layer's attention,
     which FarSkip lets hide it, live in one body. A missing y (first FarSkip layer: a parallel
-    block) enters as y := x, which `residual_step` computes identically; after the loop y is
-    None again unless the layers produce two streams.
+    block) enters as y := x (stale_blocks=2: w = v = x), which `residual_step` computes identically;
+    after the loop y is None again unless the layers produce two streams.
     """
     graphdef, first = nnx.split(layers[0])
     stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), first, *[nnx.split(m)[1] for m in layers[1:]])
@@ -195,9 +223,9 @@ def _scan_layers(layers: list[DecoderLayer], conn: Connectivity, remat: str, x: 
         x, y = carry
         layer = nnx.merge(graphdef, state)
         x_new, y_new, aux = _maybe_remat(layer, remat)(x, y, positions, segment_ids, conn, routed_fn, reduce)
-        return (x_new, x_new if y_new is None else y_new), (x_new, aux)
+        return (x_new, parallel_block_state(x_new, conn) if y_new is None else y_new), (x_new, aux)
 
-    (x, y), (xs, aux) = jax.lax.scan(body, (x, x if y is None else y), stacked)
+    (x, y), (xs, aux) = jax.lax.scan(body, (x, parallel_block_state(x, conn) if y is None else y), stacked)
     return x, (y if two_streams else None), list(xs), {k: jnp.sum(v, axis=0) for k, v in aux.items()}
 
 

@@ -8,6 +8,16 @@ separately from the gate, the experts and the shared experts.
 Model: 5 layers, first_k_dense_replace=2 (layers 0, 1 dense; 2, 3, 4 MoE), q-LoRA, YaRN, routed
 scale 1.5. Also here: connectivity off is bitwise the regular model, and a FarSkip model is
 measurably different from the regular one.
+
+The experimental `farskip.stale_blocks: 2` (no published system has trained it) gets its own
+mode, written from these equations (model/farskip.py states the same ones): layer k with input
+x_k and the previous layer's input x_{k-1}, A_{k-1} its attention output,
+
+    A_k = Attn(LN1(x_{k-1}));  S_k, R_k = MoE(LN2(x_{k-1} + A_{k-1}));  x_{k+1} = (x_k + A_k) + (R_k + S_k)
+
+i.e. both sub-blocks read a stream that lacks the two sub-blocks before them. A layer with no
+previous FarSkip MoE layer (first of the range, after a dense or regular layer) reads x_k in both
+sub-blocks; a dense layer reads the same streams and passes on a single stream.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from hf_tiny import (
 )
 
 import farskip_jax
-from farskip_jax.model.farskip import REGULAR, Connectivity, FFNOut, residual_step
+from farskip_jax.model.farskip import REGULAR, Connectivity, FFNOut, Ladder, residual_step
 
 BAR = 1e-4
 FIRST_K_DENSE = 2
@@ -54,11 +64,13 @@ def setup(tmp_path_factory):
 
 @torch.no_grad()
 def farskip_reference(hf, ids: np.ndarray, farskip_layers: set[int], mode: str = "both") -> np.ndarray:
-    """Logits with FarSkip connectivity on `farskip_layers`; mode is both / attn_only / mlp_only.
+    """Logits with FarSkip connectivity on `farskip_layers`; mode is both / attn_only / mlp_only /
+    stale2 (the experimental stale_blocks=2).
 
     x: full residual stream; y: x without the previous layer's routed output, or None when the
     previous layer produced a single stream (first FarSkip layer, after a dense or regular layer:
-    then y := x, a parallel block).
+    then y := x, a parallel block). stale2 carries the pair (previous layer's input x_{k-1},
+    x_{k-1} + A_{k-1}) in y instead.
     """
     m = hf.model
     tokens = torch.as_tensor(ids, dtype=torch.long)
@@ -103,6 +115,12 @@ def farskip_reference(hf, ids: np.ndarray, farskip_layers: set[int], mode: str =
             a = attn(x)
             s, r = ffn(x)
             x, y = combine(x + a, s, r), None
+        elif mode == "stale2":  # attention reads x_{k-1}, the FFN x_{k-1} + A_{k-1}
+            prev_input, prev_with_attn = (x, x) if y is None else y
+            a = attn(prev_input)
+            s, r = ffn(prev_with_attn)
+            h = x + a
+            x, y = combine(h, s, r), ((x, h) if is_moe else None)
         else:
             raise ValueError(mode)
     return hf.lm_head(m.norm(x)).float().numpy()
@@ -125,6 +143,9 @@ CASES = {
                       {1, 2, 3, 4}, "attn_only"),
     "mlp_only_full": ({"farskip.enabled": True, "farskip.mlp_only": True}, set(range(NUM_LAYERS)),
                       "mlp_only"),
+    "stale2_full": ({"farskip.enabled": True, "farskip.stale_blocks": 2}, set(range(NUM_LAYERS)), "stale2"),
+    "stale2_dense_start_1_3": ({"farskip.enabled": True, "farskip.stale_blocks": 2, "farskip.start_idx": 1,
+                                "farskip.end_idx": 3}, {1, 2, 3}, "stale2"),
 }
 
 
@@ -140,6 +161,16 @@ def test_farskip_matches_reference(setup, name):
     assert err <= BAR, f"{name}: max |ours - reference| = {err:.3e} > {BAR}"
     # The FarSkip case must actually differ from the regular model, or the test proves nothing.
     assert max_abs_err(ref, setup["hf_logits"]) > 1e-2
+
+
+def test_stale_blocks_2_is_another_model(setup):
+    """Stated amount: two-block staleness moves the logits of the paper's FarSkip by > 0.1 (max)
+    here, so the stale2 cases above test equations of their own."""
+    stale1 = farskip_reference(setup["hf"], setup["ids"], set(range(NUM_LAYERS)), "both")
+    stale2 = farskip_reference(setup["hf"], setup["ids"], set(range(NUM_LAYERS)), "stale2")
+    diff = np.abs(stale2 - stale1)
+    record("stale2_vs_stale1_diff", "full", float(diff.max()))
+    assert diff.max() > 0.1 and diff.mean() > 0.01, (diff.max(), diff.mean())
 
 
 # --------------------------------------------------------------------------------------------
@@ -223,3 +254,28 @@ def test_residual_step_farskip_equations(conn):
     x_tp, y_tp, _ = residual_step(x, y, conn, True, attn, ffn_moe, reduce=lambda v, _name: v)
     np.testing.assert_allclose(np.asarray(x_tp), np.asarray(x_expected), atol=1e-6)
     assert (y_tp is None) == (y_expected is None)
+
+
+@pytest.mark.parametrize("is_moe", [True, False])
+def test_residual_step_stale2_equations(is_moe):
+    """stale_blocks=2 on toy blocks: A reads w, the FFN reads v, x' = (x + A) + (R + S), the next
+    Ladder is (x, x + A) for a MoE layer and None for a dense one; without a Ladder both read x.
+    The tensor-parallel form (identity reduce) gives the same numbers."""
+    x, y, attn, ffn_moe, ffn_dense = _toy_blocks(2)
+    ffn = ffn_moe if is_moe else ffn_dense
+    w, v = y, np.float32(0.5) * (x + y)
+    conn = Connectivity(True, True, stale_blocks=2)
+    for ladder, (w_in, v_in) in ((Ladder(w, v), (w, v)), (None, (x, x))):
+        a = attn(w_in)
+        out = ffn(v_in)
+        x_expected = (x + a) + (out.main if out.shared is None else out.main + out.shared)
+        x_new, y_new, _ = residual_step(x, ladder, conn, is_moe, attn, ffn)
+        np.testing.assert_array_equal(np.asarray(x_new), np.asarray(x_expected))
+        if is_moe:
+            np.testing.assert_array_equal(np.asarray(y_new.attn_in), x)
+            np.testing.assert_array_equal(np.asarray(y_new.ffn_in), np.asarray(x + a))
+        else:
+            assert y_new is None
+        x_tp, y_tp, _ = residual_step(x, ladder, conn, is_moe, attn, ffn, reduce=lambda t, _name: t)
+        np.testing.assert_allclose(np.asarray(x_tp), np.asarray(x_expected), atol=1e-6)
+        assert (y_tp is None) == (not is_moe)
