@@ -6,13 +6,16 @@ Shape legend: N tokens (batch x sequence, flattened), D model width, F expert wi
 The routed-expert computation is a function argument (`routed_fn`): the single-device path sorts
 the (token, choice) assignments by expert and runs a grouped matmul (model/dispatch.py); the
 expert- and tensor-parallel paths (`farskip_jax.parallel`) use the same dispatch pieces around
-their collectives. Nothing in this file names a mesh axis.
+their collectives. A `routed_fn` bound to an object with a `routed_with_shared` method (see
+`SharedScheduler`) is handed the shared experts too, to place them where they hide its
+communication (expert parallelism: under the Dispatch). Nothing in this file names a mesh axis.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -84,6 +87,16 @@ class RoutedExperts(nnx.Module):
 
 
 RoutedFn = Callable[[jax.Array, Routing, RoutedExperts, ModelConfig], tuple[jax.Array, jax.Array]]
+SharedFn = Callable[[jax.Array], jax.Array]  # shared experts: [N, D] -> [N, D]
+
+
+class SharedScheduler(Protocol):
+    """Owner of a `routed_fn` that also runs the shared experts, wherever they hide its collectives."""
+
+    def routed_with_shared(self, x_nd: jax.Array, routing: Routing, experts: RoutedExperts, cfg: ModelConfig,
+                           shared_fn: SharedFn | None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """(routed [N, D], dropped fraction, shared_fn(x_nd) or None)."""
+        ...
 
 
 def local_routed(x_nd: jax.Array, routing: Routing, experts: RoutedExperts,
@@ -112,9 +125,21 @@ class MoE(nnx.Module):
         x_nd = x_btd.reshape(b * t, d)
         with jax.named_scope("router"):
             routing = route(x_nd, self.router[...], self.cfg, seq_len=t)
-        routed, dropped = routed_fn(x_nd, routing, self.experts, self.cfg)
-        shared = None
+        shared_fn = None
         if self.shared is not None:
-            with jax.named_scope("shared"):
-                shared = self.shared(x_btd)
+            mlp = self.shared
+
+            def shared_fn(h_nd: jax.Array) -> jax.Array:
+                with jax.named_scope("shared"):
+                    return mlp(h_nd.reshape(b, t, d)).reshape(b * t, d)
+
+        scheduler = getattr(routed_fn, "__self__", None)
+        if shared_fn is not None and hasattr(scheduler, "routed_with_shared"):
+            routed, dropped, shared = scheduler.routed_with_shared(x_nd, routing, self.experts, self.cfg,
+                                                                   shared_fn)
+        else:
+            routed, dropped = routed_fn(x_nd, routing, self.experts, self.cfg)
+            shared = None if shared_fn is None else shared_fn(x_nd)
+        if shared is not None:
+            shared = shared.reshape(b, t, d)
         return shared, routed.reshape(b, t, d), {**routing.aux, "dropped_fraction": dropped}

@@ -3,19 +3,21 @@
 Both plug into the model through the `parallel=` argument (`routed_fn`, `reduce`); the layer
 recurrence (`farskip_jax.model.farskip.residual_step`) decides what waits for what.
 
-Expert parallelism (training): `shard_map` wraps only the routed experts. Each shard sorts its
+Expert parallelism (training): `shard_map`s wrap only the routed experts. Each shard sorts its
 own (token, choice) assignments by expert (model/dispatch.py), which also groups them by
 destination rank, sends the per-(destination, local expert) counts (a tiny all-to-all), then the
 rows (Dispatch), runs its local experts as one grouped matmul over rows regrouped by local
-expert, sends the results back (Combine) and sums them with the router weights. Under FarSkip
-the Combine's result feeds only `x' = y' + R`, which the next layer's attention does not read:
-XLA may run the Combine under that attention. Shape legend as in model/dispatch.py, plus
-G expert-parallel ranks, L = E / G local experts, B receive rows reserved per source rank.
+expert, sends the results back (Combine) and sums them with the router weights. The shared
+experts run between the two shard_maps and the Combine waits for them, so they hide the Dispatch.
+Under FarSkip the Combine's result feeds only `x' = y' + R`, which the next layer's attention
+does not read: XLA may run the Combine under that attention. Shape legend as in
+model/dispatch.py, plus G expert-parallel ranks, L = E / G local experts, B receive rows
+reserved per source rank.
 
 The row exchange is `jax.lax.ragged_all_to_all` (only the routed rows move) or, where that does
 not exist (XLA:CPU), a plain all_to_all of per-destination buffers of B rows. Both write source
 s's rows at [s*B, s*B + its count) of the receive buffer, so everything after the exchange is
-shared. All of it is dropless: B is the worst case (see `_ep_routed`). The ragged Combine sends
+shared. All of it is dropless: B is the worst case (`_EPShard.per_src`). The ragged Combine sends
 each row back to the place its source sorted it to (the counts exchange carries those offsets),
 so a source receives its own N*K rows, not a worst-case buffer; Dispatch and Combine are each
 other's transpose, and the backward pass runs them as such (`_ragged_move`).
@@ -52,7 +54,7 @@ from farskip_jax.model.dispatch import (
     sort_by_group,
     weighted_sum,
 )
-from farskip_jax.model.moe import RoutedExperts, Routing
+from farskip_jax.model.moe import RoutedExperts, Routing, SharedFn
 from farskip_jax.parallel.mesh import BATCH_AXES, param_specs_tree
 
 
@@ -74,23 +76,36 @@ class ExpertParallel:
 
     def routed_fn(self, x_nd: jax.Array, routing: Routing, experts: RoutedExperts,
                   cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+        routed, dropped, _ = self.routed_with_shared(x_nd, routing, experts, cfg, None)
+        return routed, dropped
+
+    def routed_with_shared(self, x_nd: jax.Array, routing: Routing, experts: RoutedExperts, cfg: ModelConfig,
+                           shared_fn: SharedFn | None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """(routed [N, D], dropped fraction, shared_fn(x_nd) or None); the Combine waits for the shared
+        experts, so XLA can run them only before it, under the Dispatch.
+
+        Left alone, XLA's scheduler puts every independent op under the Combine: on the 4-layer
+        DSV2-Lite H200 step the forward Dispatch had 60 us of compute under a 200 us transfer and
+        the Combine 738 us. The wait is a data dependency (`_EPShard.combine`): an optimization
+        barrier would not do, XLA:GPU removes barriers before it schedules. Under FarSkip the
+        attention, which reads neither, is left to hide the Combine.
+        """
         groups = self.mesh.shape["expert"]
         if cfg.n_routed_experts % groups:
             raise ValueError(f"n_routed_experts={cfg.n_routed_experts} is not divisible by "
                              f"mesh.expert={groups}")
-        tokens = P(BATCH_AXES)
-        expert_spec = P("expert", None, None)
-        exchange = resolve_exchange(cfg.ep_exchange, self.mesh)
-        matmul = resolve_matmul(cfg.expert_matmul, self.mesh.devices.flat[0])
-
-        def shard(x, weights, ids, w_gate, w_up, w_down):
-            return _ep_routed(x, weights, ids, (w_gate, w_up, w_down), cfg, groups, routing.seq_len, exchange,
-                              matmul)
-
-        fn = jax.shard_map(shard, mesh=self.mesh, in_specs=(tokens, tokens, tokens, expert_spec, expert_spec,
-                                                            expert_spec), out_specs=(tokens, P()))
-        return fn(x_nd, routing.weights_nk, routing.experts_nk, experts.w_gate[...], experts.w_up[...],
-                  experts.w_down[...])
+        ep = _EPShard(cfg, groups, routing.seq_len, resolve_exchange(cfg.ep_exchange, self.mesh),
+                      resolve_matmul(cfg.expert_matmul, self.mesh.devices.flat[0]))
+        tokens, expert_spec = P(BATCH_AXES), P("expert", None, None)
+        smap = functools.partial(jax.shard_map, mesh=self.mesh)
+        w_gld = (experts.w_gate[...], experts.w_up[...], experts.w_down[...])
+        back_rd, srt, dropped = smap(
+            ep.dispatch_experts, in_specs=(tokens, tokens, tokens, expert_spec, expert_spec, expert_spec),
+            out_specs=(tokens, tokens, P()))(x_nd, routing.weights_nk, routing.experts_nk, *w_gld)
+        shared = None if shared_fn is None else shared_fn(x_nd)
+        routed = smap(ep.combine, in_specs=(tokens, tokens, tokens, tokens), out_specs=tokens)(
+            back_rd, srt, routing.weights_nk, x_nd if shared is None else shared)
+        return routed, dropped, shared
 
 
 class _Regroup(NamedTuple):
@@ -139,99 +154,167 @@ class _Plan(NamedTuple):
         return _Plan(self.back_in, self.recv, self.back_out, self.send, self.in_off, self.out_off)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ragged_move(out_rows: int, x: jax.Array, plan: _Plan) -> jax.Array:
-    """`plan`'s exchange of the rows of x into a zero [out_rows, D] buffer (ragged_all_to_all).
+def _zeros(rows: int, like: jax.Array) -> jax.Array:
+    """A zero [rows, D] buffer typed as varying over the batch axes, like the rows it will receive.
+
+    A plain zeros is mesh-invariant: a ragged_all_to_all result takes its `output` buffer's type,
+    and the backward pass would psum the receive buffer's cotangent over the mesh (a 768 MiB
+    all-reduce per exchange at DSV2-Lite EP=8, and wrong gradients).
+    """
+    return jax.lax.pcast(jnp.zeros((rows, like.shape[-1]), like.dtype), BATCH_AXES, to="varying")
+
+
+@jax.custom_vjp
+def _ragged_move(x: jax.Array, out: jax.Array, plan: _Plan) -> jax.Array:
+    """`plan`'s exchange of the rows of x into the buffer `out` (ragged_all_to_all).
+
+    Rows of `out` that nothing lands in keep their value and get no gradient: callers pass zeros,
+    or (the Combine) a buffer whose unwritten rows never reach the result.
 
     Why a custom VJP: JAX's transpose of ragged_all_to_all learns the peers' offsets with two
     extra all_to_alls per exchange (a sync point each in the backward, in XLA's one collective
     slot) and masks the output cotangent with a cumsum; `plan` already holds both sides' offsets
     (the counts exchange carried them), so the transpose is the transposed plan's exchange.
     """
-    # The result takes the `output` buffer's type. A plain zeros is mesh-invariant: the result
-    # would be too, and the backward pass would psum the receive buffer's cotangent over the
-    # mesh (a 768 MiB all-reduce per exchange at DSV2-Lite EP=8). Tokens vary over BATCH_AXES.
-    out = jax.lax.pcast(jnp.zeros((out_rows, x.shape[-1]), x.dtype), BATCH_AXES, to="varying")
     return jax.lax.ragged_all_to_all(x, out, plan.in_off, plan.send, plan.out_off, plan.recv,
                                      axis_name="expert")
 
 
-def _ragged_move_fwd(out_rows: int, x: jax.Array, plan: _Plan) -> tuple[jax.Array, tuple[_Plan, jax.Array]]:
+def _ragged_move_fwd(x: jax.Array, out: jax.Array, plan: _Plan) -> tuple[jax.Array, tuple[_Plan, jax.Array]]:
     # The zero-size slice carries x's row count (a residual must be an array) at no cost.
-    return _ragged_move(out_rows, x, plan), (plan, x[:, :0])
+    return _ragged_move(x, out, plan), (plan, x[:, :0])
 
 
-def _ragged_move_bwd(out_rows: int, res: tuple[_Plan, jax.Array], ct: jax.Array) -> tuple[jax.Array, None]:
-    del out_rows
+def _ragged_move_bwd(res: tuple[_Plan, jax.Array], ct: jax.Array) -> tuple[jax.Array, None, None]:
     plan, x_rows = res
     # Rows of x that were not sent get a zero cotangent: nothing lands there in the transpose.
-    return _ragged_move(x_rows.shape[0], ct, plan.transposed()), None
+    return _ragged_move(ct, _zeros(x_rows.shape[0], ct), plan.transposed()), None, None
 
 
 _ragged_move.defvjp(_ragged_move_fwd, _ragged_move_bwd)
 
 
-def _ep_routed(x_nd, weights_nk, experts_nk, w_gld: tuple[jax.Array, ...], cfg: ModelConfig, groups: int,
-               seq_len: int, exchange: str, matmul: str):
-    """Per shard: sort -> counts -> Dispatch -> regroup, grouped matmul -> Combine -> weighted sum."""
-    n, k = experts_nk.shape
-    e = cfg.n_routed_experts
-    local = e // groups
-    ids_nk, dropped = drop_over_capacity(experts_nk, weights_nk, seq_len, cfg)
-    per_expert = rows_per_expert(n, seq_len, cfg)  # rows this shard can send one expert
-    # B, receive rows reserved per source: a token's K experts are distinct, so at most min(K, L)
-    # of its rows go to one rank; with a capacity each local expert takes at most `per_expert`.
-    # Receive buffer G*B rows = G * N_shard * min(K, L) dropless (8x N*K for DSV2-Lite at EP=8).
-    per_src = min(n * min(k, local), local * per_expert)
-    ids_a = ids_nk.reshape(-1)
-    srt = sort_by_group(ids_a, e)  # global ids: sorted by destination rank, then local expert
-    counts_gl = jnp.diff(srt.starts_g).reshape(groups, local)
-    send_sizes_g = counts_gl.sum(axis=1)
-    send_start_g = srt.starts_g[:-1:local]
-    recv_start_gq = jnp.arange(groups, dtype=jnp.int32) * per_src  # source s's rows start at s*B here
-    with jax.named_scope("dispatch"):
-        # One tiny all_to_all carries the counts and where each slice starts in its sender's
-        # sorted rows: the Combine sends every row back to exactly that place, so a source's
-        # Combine output holds only its own N*K rows, not the worst-case receive buffer.
-        # Tagged for remat="save_a2a" (model/transformer.py): the backward pass reuses what the
-        # all-to-alls received instead of running them again.
-        meta_gm = jnp.concatenate([counts_gl, send_start_g[:, None]], axis=1)
-        recv_meta_gm = checkpoint_name(jax.lax.all_to_all(meta_gm, "expert", 0, 0), A2A_COUNTS)
-        recv_counts_gl, src_start_g = recv_meta_gm[:, :local], recv_meta_gm[:, local]
-        recv_sizes_g = recv_counts_gl.sum(axis=1)
-        if exchange == "ragged":
-            me = jax.lax.axis_index("expert")
-            plan = _Plan(in_off=send_start_g, send=send_sizes_g,
-                         out_off=jnp.full((groups,), me * per_src, jnp.int32), recv=recv_sizes_g,
-                         back_in=recv_start_gq, back_out=src_start_g)
-            recv_rd = _ragged_move(groups * per_src, x_nd[srt.order_a // k], plan)
-        else:  # per-destination buffers: slot q of rank g holds sorted row send_start[g] + q
-            slot_gq = send_start_g[:, None] + jnp.arange(per_src, dtype=jnp.int32)
-            token_gq = srt.order_a[jnp.minimum(slot_gq, n * k - 1)] // k
-            filled_gq = slot_gq < (send_start_g + send_sizes_g)[:, None]
-            rows = jnp.where(filled_gq[..., None], x_nd[token_gq], 0)
-            recv_rd = jax.lax.all_to_all(rows, "expert", 0, 0).reshape(groups * per_src, -1)
-        recv_rd = checkpoint_name(recv_rd, A2A_DISPATCH)
-    with jax.named_scope("experts"):
-        rg = _regroup(recv_counts_gl, per_src)
-        y_rd = grouped_ffn(recv_rd[rg.src_r], rg.starts_l, *w_gld, matmul, groups * per_expert)
-        back_rd = y_rd[rg.dst_r]
-    valid_a = ids_a < e
-    with jax.named_scope("combine"):
-        if exchange == "ragged":
-            # Rows come back in this rank's sorted order: [N*K, D]; dropped ones stay zero.
-            out_rd = checkpoint_name(_ragged_move(n * k, back_rd, plan.transposed()), A2A_COMBINE)
-            back_a = srt.inv_a
-        else:  # the whole [G*B, D] buffer travels; assignment a (sorted row inv[a], to rank g)
-            # comes back at g*B + inv[a] - send_start[g]
-            out_rd = jax.lax.all_to_all(back_rd.reshape(groups, per_src, -1), "expert", 0, 0)
-            out_rd = checkpoint_name(out_rd.reshape(groups * per_src, -1), A2A_COMBINE)
-            rank_a = jnp.minimum(ids_a // local, groups - 1)
-            back_a = jnp.where(valid_a, rank_a * per_src + srt.inv_a - send_start_g[rank_a], 0)
-    routed = weighted_sum(out_rd[back_a].reshape(n, k, -1), valid_a.reshape(n, k), weights_nk)
-    if cfg.capacity_factor > 0:  # equal tokens per shard: the mean of means is the global mean
-        dropped = jax.lax.pmean(dropped, BATCH_AXES)
-    return routed, dropped
+class _Sorted(NamedTuple):
+    """One shard's sorted assignments and the counts exchange, handed between the EP shard_maps.
+
+    Per-shard arrays that are not per token carry a leading axis of 1 (the shard_maps concatenate
+    shards along axis 0).
+    """
+
+    ids_a: jax.Array  # [A] expert ids after capacity drops (E = dropped)
+    order_a: jax.Array  # [A] sorted row -> assignment
+    inv_a: jax.Array  # [A] assignment -> sorted row
+    starts_e: jax.Array  # [1, E + 1] first sorted row of each global expert
+    recv_meta: jax.Array  # [1, G, L + 1] from each source: its counts per local expert, and where
+    # its rows for this rank start in its sorted rows
+
+
+@dataclass(frozen=True)
+class _EPShard:
+    """The per-shard halves of the expert-parallel routed experts (bodies of the shard_maps)."""
+
+    cfg: ModelConfig
+    groups: int  # G
+    seq_len: int
+    exchange: str
+    matmul: str
+
+    @property
+    def local(self) -> int:  # L
+        return self.cfg.n_routed_experts // self.groups
+
+    def per_src(self, n: int) -> int:
+        """B, receive rows reserved per source: a token's K experts are distinct, so at most
+        min(K, L) of its rows go to one rank; with a capacity each local expert takes at most
+        rows_per_expert. Receive buffer G*B rows = G * N_shard * min(K, L) dropless (8x N*K for
+        DSV2-Lite at EP=8)."""
+        k = self.cfg.num_experts_per_tok
+        return min(n * min(k, self.local), self.local * rows_per_expert(n, self.seq_len, self.cfg))
+
+    def _sort(self, weights_nk: jax.Array, experts_nk: jax.Array) -> tuple[_Sorted, jax.Array]:
+        """Capacity drops, sort by global expert (= by destination rank, then local expert), counts."""
+        e, local = self.cfg.n_routed_experts, self.local
+        ids_nk, dropped = drop_over_capacity(experts_nk, weights_nk, self.seq_len, self.cfg)
+        ids_a = ids_nk.reshape(-1)
+        srt = sort_by_group(ids_a, e)
+        with jax.named_scope("dispatch"):
+            # One tiny all_to_all carries the counts and where each slice starts in its sender's
+            # sorted rows: the Combine sends every row back to exactly that place, so a source's
+            # Combine output holds only its own N*K rows, not the worst-case receive buffer.
+            # Tagged for remat="save_a2a" (model/transformer.py): the backward pass reuses what the
+            # all-to-alls received instead of running them again.
+            counts_gl = jnp.diff(srt.starts_g).reshape(self.groups, local)
+            meta_gm = jnp.concatenate([counts_gl, srt.starts_g[:-1:local, None]], axis=1)
+            recv_meta = checkpoint_name(jax.lax.all_to_all(meta_gm, "expert", 0, 0), A2A_COUNTS)
+        if self.cfg.capacity_factor > 0:  # equal tokens per shard: the mean of means is the global mean
+            dropped = jax.lax.pmean(dropped, BATCH_AXES)
+        return _Sorted(ids_a, srt.order_a, srt.inv_a, srt.starts_g[None], recv_meta[None]), dropped
+
+    def _plan(self, srt: _Sorted, per_src: int) -> _Plan:
+        """The Dispatch's ragged exchange (the Combine's is its transpose)."""
+        starts_e, meta = srt.starts_e[0], srt.recv_meta[0]
+        me = jax.lax.axis_index("expert")
+        return _Plan(in_off=starts_e[:-1:self.local], send=jnp.diff(starts_e[::self.local]),
+                     out_off=jnp.full((self.groups,), me * per_src, jnp.int32),
+                     recv=meta[:, :self.local].sum(axis=1),
+                     back_in=jnp.arange(self.groups, dtype=jnp.int32) * per_src,  # source s lands at s*B
+                     back_out=meta[:, self.local])
+
+    def dispatch_experts(self, x_nd: jax.Array, weights_nk: jax.Array, experts_nk: jax.Array,
+                         w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array
+                         ) -> tuple[jax.Array, _Sorted, jax.Array]:
+        """Sort, counts, Dispatch, then this rank's experts over the received rows.
+
+        Returns ([G*B, D] expert outputs in receive layout, the sorted assignments, dropped fraction).
+        """
+        n, k = experts_nk.shape
+        groups, per_src = self.groups, self.per_src(n)
+        srt, dropped = self._sort(weights_nk, experts_nk)
+        with jax.named_scope("dispatch"):
+            if self.exchange == "ragged":
+                recv_rd = _ragged_move(x_nd[srt.order_a // k], _zeros(groups * per_src, x_nd),
+                                       self._plan(srt, per_src))
+            else:  # per-destination buffers: slot q of rank g holds sorted row send_start[g] + q
+                starts_e = srt.starts_e[0]
+                slot_gq = starts_e[:-1:self.local, None] + jnp.arange(per_src, dtype=jnp.int32)
+                token_gq = srt.order_a[jnp.minimum(slot_gq, n * k - 1)] // k
+                filled_gq = slot_gq < starts_e[self.local::self.local][:, None]
+                rows = jnp.where(filled_gq[..., None], x_nd[token_gq], 0)
+                recv_rd = jax.lax.all_to_all(rows, "expert", 0, 0).reshape(groups * per_src, -1)
+            recv_rd = checkpoint_name(recv_rd, A2A_DISPATCH)
+        with jax.named_scope("experts"):
+            rg = _regroup(srt.recv_meta[0, :, :self.local], per_src)
+            y_rd = grouped_ffn(recv_rd[rg.src_r], rg.starts_l, w_gate, w_up, w_down, self.matmul,
+                               groups * rows_per_expert(n, self.seq_len, self.cfg))
+            return y_rd[rg.dst_r], srt, dropped
+
+    def combine(self, back_rd: jax.Array, srt: _Sorted, weights_nk: jax.Array,
+                after_nd: jax.Array) -> jax.Array:
+        """Combine the experts' rows back to their sources, then the router-weighted sum: [N, D].
+
+        The ragged Combine starts only once `after_nd` (the shared experts' output) exists: its
+        output buffer holds after_nd's first row in its first row. That row is overwritten by the
+        first sorted assignment, or, with every assignment dropped, stays there unread (dropped
+        rows are selected away in `weighted_sum`), so the result does not depend on it.
+        """
+        n, k = weights_nk.shape
+        groups, per_src, e = self.groups, self.per_src(n), self.cfg.n_routed_experts
+        valid_a = srt.ids_a < e
+        with jax.named_scope("combine"):
+            if self.exchange == "ragged":
+                # Rows come back in this rank's sorted order: [N*K, D]; dropped ones stay unwritten.
+                out = _zeros(n * k, back_rd).at[:1].set(after_nd[:1].astype(back_rd.dtype))
+                out_rd = _ragged_move(back_rd, out, self._plan(srt, per_src).transposed())
+                out_rd = checkpoint_name(out_rd, A2A_COMBINE)
+                back_a = srt.inv_a
+            else:  # the whole [G*B, D] buffer travels; assignment a (sorted row inv[a], to rank g)
+                # comes back at g*B + inv[a] - send_start[g]
+                out_rd = jax.lax.all_to_all(back_rd.reshape(groups, per_src, -1), "expert", 0, 0)
+                out_rd = checkpoint_name(out_rd.reshape(groups * per_src, -1), A2A_COMBINE)
+                rank_a = jnp.minimum(srt.ids_a // self.local, groups - 1)
+                send_start_g = srt.starts_e[0, :-1:self.local]
+                back_a = jnp.where(valid_a, rank_a * per_src + srt.inv_a - send_start_g[rank_a], 0)
+        return weighted_sum(out_rd[back_a].reshape(n, k, -1), valid_a.reshape(n, k), weights_nk)
 
 
 @dataclass(frozen=True)

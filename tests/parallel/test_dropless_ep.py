@@ -12,11 +12,13 @@ Checks: logits of one device vs HF transformers (<= 1e-4); EP=8, DP=2 x EP=4, TP
 device (<= 1e-5) and HF (<= 1e-4), gradients vs one device (<= 1e-5), EP=8 also with
 remat="save_a2a" and with expert_matmul="padded"; the ragged exchange (ep_exchange="ragged") on
 CPU with ragged_all_to_all emulated from its documented semantics; the all-to-all counts of remat
-"full" vs "save_a2a"; and a deviceless H200 compile whose scheduled HLO carries ragged-all-to-all.
+"full" vs "save_a2a"; and a deviceless H200 compile whose scheduled HLO carries ragged-all-to-all
+and runs the shared experts before the Combine starts.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -209,7 +211,8 @@ def test_save_a2a_backward_runs_no_extra_all_to_all():
     assert fwd == counts["full", "fwd"] == 2 * 3  # per MoE layer: counts, Dispatch, Combine
     assert counts["save_a2a", "fwd+bwd"] - fwd <= 2 * fwd  # backward: the two transposes only
     assert counts["save_a2a", "fwd+bwd"] == fwd + 2 * 2
-    assert counts["full", "fwd+bwd"] == counts["save_a2a", "fwd+bwd"] + fwd  # full reruns the forward's
+    # full reruns the forward's Dispatch and Combine, not the counts exchange (it keeps its result)
+    assert counts["full", "fwd+bwd"] == counts["save_a2a", "fwd+bwd"] + 2 * 2
 
 
 def test_ragged_exchange_compiles_for_h200():
@@ -242,3 +245,18 @@ def test_ragged_exchange_compiles_for_h200():
     # The receive buffers vary over the mesh: no psum of their cotangents (a mesh-invariant
     # `output` buffer made the backward all-reduce the whole receive buffer, and sum gradients).
     assert "psum_invariant" not in art.hlo_text
+    # The Combine waits for the shared experts (ExpertParallel.routed_with_shared) through a data
+    # dependency that XLA kept: the forward Combine (the second ragged all-to-all in schedule order,
+    # as ENTRY prints) reads, through its operands, a forward shared-expert matmul.
+    entry = art.hlo_text[art.hlo_text.index("\nENTRY "):]
+    defs = dict(re.findall(r"\n\s*(?:ROOT )?%(\S+) = ([^\n]*)", entry[:entry.index("\n}")]))
+    starts = [name for name, rhs in defs.items() if re.match(r".*?\sragged-all-to-all(-start)?\(", rhs)]
+    shared_re = re.compile(r'op_name="[^"]*[/(]shared[/)][^"]*dot_general')
+    seen, todo = set(), [starts[1]]
+    while todo:
+        name = todo.pop()
+        if name not in seen and name in defs:
+            seen.add(name)
+            todo += re.findall(r"%([\w.\-]+)", defs[name].split(", metadata=")[0])
+    assert len(starts) == 4
+    assert any(shared_re.search(defs[n]) and "transpose(" not in defs[n] for n in seen), starts[1]
