@@ -2,8 +2,10 @@
 
 Parity runs in fp32 on causal + packed-document masks, forward and gradients w.r.t. q, k, v, with
 MLA's unequal head dims (q/k 12, v 8 here), lengths that are not multiples of the block, and
-blocks from 5 to 512 (512 clamps to T). Skipping is checked by behaviour: a NaN planted in one
-block reaches exactly the outputs/gradients of the block pairs that are computed.
+blocks from 5 to 512 (512 clamps to T). The forward has two layouts (model/flash.py): the
+inference one (no gradient) and the training one (under jax.vjp); both are checked. Skipping is
+checked by behaviour: a NaN planted in one block reaches exactly the outputs/gradients of the
+block pairs that are computed. Every loop must have a static trip count (no `while` in the jaxpr).
 """
 
 from __future__ import annotations
@@ -69,9 +71,11 @@ def test_blockwise_matches_reference_fp32(name: str) -> None:
     seg = jnp.asarray(_packed_segments(t, lengths))
     ours = jax.jit(lambda q, k, v, s: blockwise_attention(q, k, v, s, SCALE, bq, bk))
     ref = jax.jit(lambda q, k, v, s: reference_attention(q, k, v, s, SCALE))
-    got = _value_and_grads(ours, q, k, v, seg, d_out)
+    got = _value_and_grads(ours, q, k, v, seg, d_out)  # out: the training forward (under vjp)
     want = _value_and_grads(ref, q, k, v, seg, d_out)
-    for part, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+    inference = ours(q, k, v, seg)  # no gradient: the inference forward
+    for part, a, b in zip(("out", "dq", "dk", "dv", "out_inference"), (*got, inference), (*want, want[0]),
+                          strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype
         err = _max_err(a, b)
         record("blockwise_vs_reference", f"{name}_{part}", err)
@@ -99,17 +103,51 @@ def test_upper_blocks_are_skipped() -> None:
     q, k, v, d_out = _inputs(1, t, seed=5)
     seg = jnp.zeros((1, t), jnp.int32)
     fn = jax.jit(lambda q, k, v: blockwise_attention(q, k, v, seg, SCALE, b, b))
+    train_out = jax.jit(lambda q, k, v: jax.vjp(fn, q, k, v)[0])
     grads = jax.jit(lambda q, k, v: jax.vjp(fn, q, k, v)[1](d_out))
     for j in range(t // b):
         nan_kv = slice(j * b, (j + 1) * b)
-        out = fn(q, k, v.at[:, nan_kv].set(jnp.nan))
-        assert bool(jnp.isfinite(out[:, : j * b]).all()) and bool(jnp.isnan(out[:, j * b:]).all())
+        for out in (fn(q, k, v.at[:, nan_kv].set(jnp.nan)), train_out(q, k, v.at[:, nan_kv].set(jnp.nan))):
+            assert bool(jnp.isfinite(out[:, : j * b]).all()) and bool(jnp.isnan(out[:, j * b:]).all())
         dq, _, _ = grads(q, k.at[:, nan_kv].set(jnp.nan), v)  # dq rows need k blocks <= their own
         assert bool(jnp.isfinite(dq[:, : j * b]).all()) and bool(jnp.isnan(dq[:, j * b:]).all())
         _, dk, dv = grads(q.at[:, nan_kv].set(jnp.nan), k, v)  # dk/dv rows need q blocks >= their own
         later = slice((j + 1) * b, None)
         assert bool(jnp.isfinite(dk[:, later]).all()) and bool(jnp.isfinite(dv[:, later]).all())
         assert bool(jnp.isnan(dk[:, : (j + 1) * b]).all())
+
+
+def _primitives(jaxpr) -> list[tuple[str, int | None]]:
+    """(name, scan length) of every equation, recursing into sub-jaxprs (scan/custom_vjp bodies);
+    duck-typed (`.eqns`) because jax.core.Jaxpr moved between JAX versions."""
+    found = []
+    for eqn in jaxpr.eqns:
+        found.append((eqn.primitive.name, eqn.params.get("length")))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += _primitives(inner)
+    return found
+
+
+def test_every_loop_has_a_static_trip_count() -> None:
+    """A loop whose bounds depend on another loop's index lowers to a `while` of unknown trip count,
+    one node of unknown cost to XLA's latency-hiding scheduler; both layouts must be scans.
+
+    T=40, blocks of 8 (5 query blocks): inference has one scan per query block after the first
+    (lengths 1..4, over the key blocks wholly before it); training one scan over the 15
+    lower-triangle pairs forward and one backward."""
+    t, b = 40, 8
+    q, k, v, d_out = _inputs(1, t)
+    seg = jnp.zeros((1, t), jnp.int32)
+    fn = lambda q, k, v: blockwise_attention(q, k, v, seg, SCALE, b, b)  # noqa: E731
+    inference = _primitives(jax.make_jaxpr(fn)(q, k, v).jaxpr)
+    training = _primitives(jax.make_jaxpr(lambda *a: jax.vjp(fn, *a)[1](d_out))(q, k, v).jaxpr)
+    for prims in (inference, training):
+        assert "while" not in [name for name, _ in prims]
+    assert sorted(n for name, n in inference if name == "scan") == [1, 2, 3, 4]
+    assert sorted(n for name, n in training if name == "scan") == [15, 15]
 
 
 def _largest_array(hlo_text: str) -> int:
@@ -119,8 +157,8 @@ def _largest_array(hlo_text: str) -> int:
 
 
 def test_no_t_by_t_array_in_compiled_hlo() -> None:
-    """Forward + backward at T=1024, blocks of 128: nothing in the compiled HLO holds T*T elements
-    (the reference does: its scores are [B, H, T, T])."""
+    """Forward + backward, and the inference forward alone, at T=1024, blocks of 128: nothing in
+    the compiled HLO holds T*T elements (the reference does: its scores are [B, H, T, T])."""
     t, h = 1024, 2
     spec = lambda d: jax.ShapeDtypeStruct((1, t, h, d), jnp.float32)  # noqa: E731
     seg = jax.ShapeDtypeStruct((1, t), jnp.int32)
@@ -131,9 +169,12 @@ def test_no_t_by_t_array_in_compiled_hlo() -> None:
 
     blockwise = loss("blockwise").lower(spec(192), spec(192), spec(128), seg).compile().as_text()
     reference = loss("reference").lower(spec(192), spec(192), spec(128), seg).compile().as_text()
+    inference = jax.jit(lambda q, k, v, s: attention_core(q, k, v, s, SCALE, "blockwise", 128, 128))
+    inference = inference.lower(spec(192), spec(192), spec(128), seg).compile().as_text()
     assert _largest_array(reference) >= t * t
-    assert _largest_array(blockwise) < t * t
-    assert _largest_array(blockwise) <= t * h * 192  # q/k themselves (and dq/dk) are the largest
+    for hlo in (blockwise, inference):
+        assert _largest_array(hlo) < t * t
+        assert _largest_array(hlo) <= t * h * 192  # q/k themselves (and dq/dk) are the largest
 
 
 TINY = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=32, moe_intermediate_size=8, num_layers=1,
