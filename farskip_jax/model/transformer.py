@@ -117,7 +117,9 @@ class Transformer(nnx.Module):
         if chunks > 1:
             if t % chunks:
                 raise ValueError(f"model.tp_microbatches={chunks} does not divide {t} tokens per sequence")
-            x, y = jnp.split(x, chunks, axis=1), [None] * chunks
+            # Materialised apart (a barrier): XLA would otherwise fuse the slice that starts chunk 1
+            # into the residual add after chunk 0's first psum, making chunk 1 wait for that psum.
+            x, y = list(jax.lax.optimization_barrier(jnp.split(x, chunks, axis=1))), [None] * chunks
         aux_sum: dict[str, Any] = {}
         outputs = []
         conns = self.connectivity()
