@@ -9,18 +9,20 @@ rather than skipped with `lax.cond` (on GPU a conditional reads its predicate ba
 
 Every trip count is a Python int, so XLA sees a known cost for every op: a loop whose bounds
 depend on another loop's index is one while node of unknown cost to the latency-hiding scheduler.
-The same arithmetic runs in two layouts, chosen by what that scheduler then does with them
-(deviceless H200 compiles of DSV2-Lite widths, `python -m farskip_jax inspect`):
+The same arithmetic runs in two layouts, chosen by what that scheduler does with them (deviceless
+H200 compiles of DSV2-Lite widths, 3 layers, `python -m farskip_jax inspect`; numbers for the
+commit that made this split, without / with the TP order barriers of model/farskip.py):
 
 - Inference (no gradient: the primal of the custom_vjp). A Python loop over query blocks: each
   folds in the key blocks wholly before it with a static-length `fori_loop` (a scan), then its
-  diagonal block(s) with the causal mask. The query blocks are independent short chains, so when
-  XLA orders a FarSkip TP prefill it keeps choosing attention work while layer k's routed psum is
-  in flight, before layer k+1's router: 60.7% of psum time hidden vs 44.0% for one loop nest.
+  diagonal block(s) with the causal mask. The query blocks are independent short chains, which
+  XLA keeps interleaving under layer k's routed psum before layer k+1's router starts. FarSkip TP
+  prefill psum time hidden: 60.9% / 63.1%, vs 44.0% / 60.0% for one scan over all pairs (and
+  then the first layer's psum is left synchronous).
 - Training (custom_vjp fwd/bwd). One `lax.scan` over the static list of lower-triangle block
   pairs, query-major forward, key-major backward. Under EP, XLA fills layer k's Dispatch window
   with the first ready ops until its (low) estimate of the transfer is covered; one node carrying
-  the whole core fills it: 97.9% of all-to-all time hidden vs 76.2% with the query-block chains.
+  the whole core fills it: 97.9% of all-to-all time hidden, vs 76.2% with the query-block chains.
 
 Shape legend: B batch, T tokens, H heads, K q/k head dim, V v head dim (K != V under MLA).
 """
