@@ -152,8 +152,11 @@ def residual_step(x: jax.Array, y: Stale, conn: Connectivity, is_moe: bool, attn
         # The reductions of a regular layer; only their readers moved (module docstring).
         h = x + reduce(a, "tp_psum_attn")
         f = _plus(out.main, out.shared)
-        if ordered:  # the next MoE (it reads h) after this one: XLA otherwise runs both at once
-            h, f = _join(h, f)
+        if ordered:
+            # The next layer's attention (it reads x) and MoE (h) after this MoE, so that each
+            # psum has the next sub-blocks under it; XLA otherwise runs two layers' MoEs at once
+            # and the attention of layer k+2 early, both of which wait for psum(S + R).
+            x, h, f = jax.lax.optimization_barrier((x, h, f))
         return h + reduce(f, "tp_psum_ffn"), (Ladder(x, h) if is_moe else None), out.aux
     if reduce is None:
         h = x + a
