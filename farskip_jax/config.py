@@ -121,9 +121,10 @@ class ModelConfig:
     # any expert-parallel mesh drop the same ones.
     capacity_factor: float = 0.0
     # Grouped expert GEMM over the expert-sorted tokens: jax.lax.ragged_dot, a padded per-expert
-    # buffer with a batched einsum, or auto = ragged on ROCm (hipBLASLt grouped GEMM), padded on CUDA
-    # and CPU (model/dispatch.py:resolve_matmul; BENCHMARKS.md has the measurements).
-    expert_matmul: Literal["auto", "ragged", "padded"] = "auto"
+    # buffer with a batched einsum, blocks of real rows in a loop (model/grouped_matmul.py), or
+    # auto = ragged on ROCm (hipBLASLt grouped GEMM), padded on CUDA, blocked on CPU
+    # (model/dispatch.py:resolve_matmul; BENCHMARKS.md has the measurements).
+    expert_matmul: Literal["auto", "ragged", "padded", "blocked"] = "auto"
     # Expert-parallel token exchange: ragged_all_to_all (GPU), per-destination buffers with a plain
     # all_to_all (works everywhere, XLA:CPU included), or auto = ragged on GPU meshes, padded elsewhere.
     ep_exchange: Literal["auto", "ragged", "padded"] = "auto"

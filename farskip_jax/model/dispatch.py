@@ -25,8 +25,9 @@ import jax
 import jax.numpy as jnp
 
 from farskip_jax.config import ModelConfig
+from farskip_jax.model.grouped_matmul import blocked_matmul
 
-ExpertMatmul = Literal["ragged", "padded"]
+ExpertMatmul = Literal["ragged", "padded", "blocked"]
 DeviceFamily = Literal["cpu", "cuda", "rocm"]
 
 # checkpoint_name tags of the expert-parallel all-to-all outputs (parallel/collectives.py);
@@ -52,17 +53,20 @@ def device_family(device: Any) -> DeviceFamily:
 
 
 def resolve_matmul(mode: str, device: Any) -> ExpertMatmul:
-    """expert_matmul "auto": ragged on ROCm, padded on CUDA and CPU (measured, BENCHMARKS.md).
+    """expert_matmul "auto": ragged on ROCm, padded on CUDA, blocked on CPU (measured, BENCHMARKS.md).
 
     On ROCm, ragged_dot lowers to hipBLASLt's grouped GEMM, which computes only the rows each
     expert really has. On CUDA (jaxlib 0.10.2) it lowers to a dense masked matmul over every
-    group: 82 TFLOP per DSV2-Lite EP=8 layer step against 14 for the padded buffer; on XLA:CPU
-    padded is ~2x faster too.
+    group: 82 TFLOP per DSV2-Lite EP=8 layer step against 14 for the padded buffer. On XLA:CPU
+    ragged_dot is masked-dense too and the dropless padded buffer does G/K times the real rows;
+    "blocked" (model/grouped_matmul.py) does only the real rows. GPUs do not get it: its while loop
+    is opaque to XLA's latency-hiding scheduler, which would stop overlapping FarSkip's collectives.
     """
     if mode == "auto":
-        return "ragged" if device_family(device) == "rocm" else "padded"
-    if mode not in ("ragged", "padded"):
-        raise ValueError(f"expert_matmul={mode!r}: expected 'auto', 'ragged' or 'padded'")
+        family = device_family(device)
+        return "blocked" if family == "cpu" else "ragged" if family == "rocm" else "padded"
+    if mode not in ("ragged", "padded", "blocked"):
+        raise ValueError(f"expert_matmul={mode!r}: expected 'auto', 'ragged', 'padded' or 'blocked'")
     return mode  # type: ignore[return-value]
 
 
@@ -146,12 +150,13 @@ def grouped_ffn(x_rd: jax.Array, starts_g: jax.Array, w_gate: jax.Array, w_up: j
                 w_down: jax.Array, matmul: ExpertMatmul, rows_per_group: int) -> jax.Array:
     """SwiGLU silu(x Wg) * (x Wu) Wd of each group's rows with that group's weights: [R, D].
 
-    "ragged": three jax.lax.ragged_dot over the sorted rows. "padded": each row placed at its
-    (group, position in group) of a [G, C, D] buffer (C = `rows_per_group`, the most a group can
-    hold), a batched einsum, and the results gathered back. The placement is a scatter of the R
-    rows (sorted, unique indices) rather than a gather of G*C slots, so that the backward pass
-    gathers R rows instead of scatter-adding G*C (bench/dispatch_bench.py). Rows past the last
-    group are unspecified.
+    "ragged": three jax.lax.ragged_dot over the sorted rows. "blocked": three blocked_matmul
+    (model/grouped_matmul.py, blocks of real rows in a loop; rows past the last group give 0).
+    "padded": each row placed at its (group, position in group) of a [G, C, D] buffer (C =
+    `rows_per_group`, the most a group can hold), a batched einsum, and the results gathered back.
+    The placement is a scatter of the R rows (sorted, unique indices) rather than a gather of G*C
+    slots, so that the backward pass gathers R rows instead of scatter-adding G*C
+    (bench/dispatch_bench.py). Rows past the last group are unspecified.
     """
     dt = x_rd.dtype
     wg, wu, wd = w_gate.astype(dt), w_up.astype(dt), w_down.astype(dt)
@@ -159,8 +164,11 @@ def grouped_ffn(x_rd: jax.Array, starts_g: jax.Array, w_gate: jax.Array, w_up: j
         sizes_g = jnp.diff(starts_g)
         h = jax.nn.silu(jax.lax.ragged_dot(x_rd, wg, sizes_g)) * jax.lax.ragged_dot(x_rd, wu, sizes_g)
         return jax.lax.ragged_dot(h, wd, sizes_g)
+    if matmul == "blocked":
+        h = jax.nn.silu(blocked_matmul(x_rd, wg, starts_g)) * blocked_matmul(x_rd, wu, starts_g)
+        return blocked_matmul(h, wd, starts_g)
     if matmul != "padded":
-        raise ValueError(f"expert_matmul={matmul!r}: expected 'ragged' or 'padded'")
+        raise ValueError(f"expert_matmul={matmul!r}: expected 'ragged', 'padded' or 'blocked'")
     r, d = x_rd.shape
     g, c = wg.shape[0], rows_per_group
     rows = jnp.arange(r, dtype=jnp.int32)
