@@ -215,3 +215,20 @@ def test_chunks_must_divide_the_tokens(mesh):
     fwd = tp_forward(graphdef, state, mesh)
     with pytest.raises(ValueError, match="does not divide"):
         jax.eval_shape(lambda s, i: fwd(s, i)[0], state, jnp.zeros((B, T), jnp.int32))
+
+
+def test_order_barriers_only_where_asked(mesh, ids):
+    """tp_order_barriers adds one join per FarSkip MoE layer with a stale stream (layers 2, 3) to
+    the TP program, none without the option, and none to the single-device model."""
+    def barriers(cfg: ModelConfig, tp: bool) -> int:
+        graphdef, state = split(cfg)
+        if tp:
+            fwd = tp_forward(graphdef, state, mesh)
+            text = jax.jit(lambda s, i: fwd(s, i)[0]).lower(state, ids).as_text()
+        else:
+            text = jax.jit(lambda s, i: nnx.merge(graphdef, s)(i).logits).lower(state, ids).as_text()
+        return text.count("stablehlo.optimization_barrier")
+
+    assert barriers(_cfg("farskip"), tp=True) == 2
+    assert barriers(_cfg("farskip", tp_order_barriers=False), tp=True) == 0
+    assert barriers(_cfg("farskip"), tp=False) == 0
