@@ -161,7 +161,7 @@ def make_train_step(spec: LossSpec, s_graph: nnx.GraphDef, t_graph: nnx.GraphDef
     """`step(state, teacher_params, batch, loss_scale) -> (state, metrics)`, jitted, state donated.
 
     state = {"params", "opt_state", "step", "skipped"}. A non-finite loss or gradient norm leaves
-    params and optimizer state untouched (jnp.where over the whole update) and increments "skipped".
+    params and optimizer state untouched (a lax.cond around the whole update) and increments "skipped".
     `loss_scale` is 1.0 except in fault-injection tests (NaN poisons the gradient).
 
     With `shardings`, every micro-batch's gradient is constrained to `shardings.grads`: under ZeRO-1
@@ -197,20 +197,28 @@ def make_train_step(spec: LossSpec, s_graph: nnx.GraphDef, t_graph: nnx.GraphDef
         (grads, loss, msum), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32), m0), batch)
         msum = {k: v / num_micro if k in _MEAN_KEYS else v for k, v in msum.items()}
         loss = loss * loss_scale
-        grads = jax.tree.map(lambda g: g * loss_scale, grads)
-        gnorm = optax.global_norm(grads)
+        # The scale is multiplied inside each consumer (a fused reduction here, the update below), so
+        # no scaled copy of the gradients is materialised.
+        scaled = lambda tree: jax.tree.map(lambda g: g * loss_scale, tree)
+        gnorm = optax.global_norm(scaled(grads))
         ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-        # Zeroed grads keep Adam's update arithmetic finite; the result is discarded anyway when !ok.
-        safe = to_grad(jax.tree.map(lambda g: jnp.where(ok, g, 0.0).astype(g.dtype), grads))
+
         # The update runs in the gradients' layout: each device updates its slice of every weight.
-        local = to_grad(params)
-        updates, new_opt = tx.update(safe, state["opt_state"], local)
-        new_params = optax.apply_updates(local, updates)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+        def apply(p: nnx.State, opt_state: Any) -> tuple[nnx.State, Any]:
+            local = to_grad(p)
+            updates, new_opt = tx.update(to_grad(scaled(grads)), opt_state, local)
+            # Kept in the sharded layout here, all-gathered once outside the cond.
+            return to_grad(optax.apply_updates(local, updates)), new_opt
+
+        def keep(p: nnx.State, opt_state: Any) -> tuple[nnx.State, Any]:
+            return to_grad(p), opt_state
+
+        # A cond, not jnp.where(ok, new, old) per leaf: a select needs both the new and the old values
+        # alive, so XLA copied the donated moments and materialised both branches (full-size temporaries
+        # of every expert stack); under the cond only the taken branch runs, updating in place.
+        new_params, new_opt = jax.lax.cond(ok, apply, keep, params, state["opt_state"])
         applied = jnp.asarray(state["step"] - state["skipped"], jnp.int32)
-        # Select in the sharded layout, then all-gather once: unconstrained, XLA may gather both operands.
-        new_state = {"params": to_param(to_grad(keep(new_params, local))),
-                     "opt_state": keep(new_opt, state["opt_state"]),
+        new_state = {"params": to_param(new_params), "opt_state": new_opt,
                      "step": state["step"] + 1, "skipped": state["skipped"] + (~ok).astype(jnp.int32)}
         metrics = {"loss": loss, "grad_norm": gnorm, "ok": ok, "num_tokens": normalizer,
                    "lr": schedule(applied), **msum}
