@@ -18,6 +18,7 @@ counted in none, so the same code skips them everywhere.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Literal, NamedTuple
 
@@ -146,6 +147,83 @@ def sort_by_group(ids_a: jax.Array, num_groups: int) -> Sorted:
     return Sorted(order, inv, group_starts(ids_a[order], num_groups))
 
 
+def fresh_zeros(rows: int, like: jax.Array, dep: jax.Array) -> jax.Array:
+    """A zero [rows, D] buffer (D and dtype of `like`) that XLA computes where it is used.
+
+    `dep` is any integer array whose first element is never negative; the buffer is a broadcast
+    of a 0 read from it. Why: the grouped GEMM's and the exchanges' buffers are filled in place
+    (scatters, ragged all-to-alls), and XLA merged every constant zero buffer of a step into one,
+    then materialised one copy per in-place user at the first use, all alive together (DSV2-Lite
+    FCSD, 4 x 4096 tokens per H200: 12 x 4 GiB padded-GEMM and 18 x 3 GiB receive buffers, 102 of
+    the 103 GiB of temporary memory). A zero computed from data can neither be merged with the
+    others nor computed before its data exists.
+    """
+    zero = jnp.where(jnp.ravel(dep)[0] < 0, 1, 0).astype(like.dtype)
+    return jnp.broadcast_to(zero, (rows, like.shape[-1]))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def place_rows(x_rd: jax.Array, slot_r: jax.Array, slots: int) -> jax.Array:
+    """[slots, D]: row r of x at slot_r[r], zeros elsewhere; slots >= `slots` are dropped.
+
+    The valid slots must be unique. Transpose of `take_rows` (a custom VJP pair, so that neither
+    direction builds a constant zero buffer; see `fresh_zeros`).
+    """
+    return fresh_zeros(slots, x_rd, slot_r).at[slot_r].set(x_rd, mode="drop", unique_indices=True)
+
+
+def _place_rows_fwd(x_rd: jax.Array, slot_r: jax.Array, slots: int) -> tuple[jax.Array, jax.Array]:
+    return place_rows(x_rd, slot_r, slots), slot_r
+
+
+def _place_rows_bwd(slots: int, slot_r: jax.Array, ct: jax.Array) -> tuple[jax.Array, None]:
+    # a dropped row (slot past the end) got no place, so it gets no gradient
+    return jnp.where((slot_r < slots)[:, None], take_rows(ct, slot_r), 0), None
+
+
+place_rows.defvjp(_place_rows_fwd, _place_rows_bwd)
+
+
+@jax.custom_vjp
+def take_rows(y_sd: jax.Array, slot_r: jax.Array) -> jax.Array:
+    """[R, D]: row slot_r[r] of y; a slot past the end reads an arbitrary row of y.
+
+    Rows read past the end must not reach the loss (their cotangent is dropped, not added to the
+    row they read): callers use them for rows outside every group, whose outputs are unused.
+    """
+    return y_sd[jnp.minimum(slot_r, y_sd.shape[0] - 1)]
+
+
+def _take_rows_fwd(y_sd: jax.Array, slot_r: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    # The zero-width slice carries y's row count (a residual must be an array) at no cost.
+    return take_rows(y_sd, slot_r), (slot_r, y_sd[:, :0])
+
+
+def _take_rows_bwd(res: tuple[jax.Array, jax.Array], ct: jax.Array) -> tuple[jax.Array, None]:
+    slot_r, y_rows = res
+    return place_rows(ct, slot_r, y_rows.shape[0]), None
+
+
+take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
+def padded_ffn(x_rd: jax.Array, slot_r: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+               rows_per_group: int) -> jax.Array:
+    """SwiGLU of rows placed at given slots of a [G, C, D] buffer (C = `rows_per_group`): [R, D].
+
+    Row r goes to flat slot slot_r[r] = group * C + position in group (unique); rows with slots
+    >= G*C belong to no group, are not computed and give unspecified outputs. Rows need not be
+    sorted: the expert-parallel path places its receive buffer directly.
+    """
+    dt = x_rd.dtype
+    wg, wu, wd = w_gate.astype(dt), w_up.astype(dt), w_down.astype(dt)
+    g, c, d = wg.shape[0], rows_per_group, x_rd.shape[-1]
+    x_gcd = place_rows(x_rd, slot_r, g * c).reshape(g, c, d)
+    h = jax.nn.silu(jnp.einsum("gcd,gdf->gcf", x_gcd, wg)) * jnp.einsum("gcd,gdf->gcf", x_gcd, wu)
+    y_gcd = jnp.einsum("gcf,gfd->gcd", h, wd)
+    return take_rows(y_gcd.reshape(g * c, d), slot_r)
+
+
 def grouped_ffn(x_rd: jax.Array, starts_g: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                 w_down: jax.Array, matmul: ExpertMatmul, rows_per_group: int) -> jax.Array:
     """SwiGLU silu(x Wg) * (x Wu) Wd of each group's rows with that group's weights: [R, D].
@@ -153,10 +231,10 @@ def grouped_ffn(x_rd: jax.Array, starts_g: jax.Array, w_gate: jax.Array, w_up: j
     "ragged": three jax.lax.ragged_dot over the sorted rows. "blocked": three blocked_matmul
     (model/grouped_matmul.py, blocks of real rows in a loop; rows past the last group give 0).
     "padded": each row placed at its (group, position in group) of a [G, C, D] buffer (C =
-    `rows_per_group`, the most a group can hold), a batched einsum, and the results gathered back.
-    The placement is a scatter of the R rows (sorted, unique indices) rather than a gather of G*C
-    slots, so that the backward pass gathers R rows instead of scatter-adding G*C
-    (bench/dispatch_bench.py). Rows past the last group are unspecified.
+    `rows_per_group`, the most a group can hold), a batched einsum, and the results gathered back
+    (`padded_ffn`). The placement is a scatter of the R rows rather than a gather of G*C slots, so
+    that the backward pass gathers R rows instead of scatter-adding G*C (bench/dispatch_bench.py).
+    Rows past the last group are unspecified.
     """
     dt = x_rd.dtype
     wg, wu, wd = w_gate.astype(dt), w_up.astype(dt), w_down.astype(dt)
@@ -169,18 +247,14 @@ def grouped_ffn(x_rd: jax.Array, starts_g: jax.Array, w_gate: jax.Array, w_up: j
         return blocked_matmul(h, wd, starts_g)
     if matmul != "padded":
         raise ValueError(f"expert_matmul={matmul!r}: expected 'ragged', 'padded' or 'blocked'")
-    r, d = x_rd.shape
-    g, c = wg.shape[0], rows_per_group
+    r = x_rd.shape[0]
+    g, c = w_gate.shape[0], rows_per_group
     rows = jnp.arange(r, dtype=jnp.int32)
     group_r = group_of_rows(starts_g, rows)
     slot_r = rows - starts_g[jnp.minimum(group_r, g - 1)]
-    # Rows outside every group go past the buffer (dropped), still sorted and unique.
+    # Rows outside every group go past the buffer (dropped), still unique.
     slot_flat_r = jnp.where((group_r < g) & (slot_r < c), group_r * c + slot_r, g * c + rows)
-    x_gcd = jnp.zeros((g * c, d), dt).at[slot_flat_r].set(
-        x_rd, mode="drop", unique_indices=True, indices_are_sorted=True).reshape(g, c, d)
-    h = jax.nn.silu(jnp.einsum("gcd,gdf->gcf", x_gcd, wg)) * jnp.einsum("gcd,gdf->gcf", x_gcd, wu)
-    y_gcd = jnp.einsum("gcf,gfd->gcd", h, wd)
-    return y_gcd.reshape(g * c, -1)[jnp.minimum(slot_flat_r, g * c - 1)]
+    return padded_ffn(x_rd, slot_flat_r, w_gate, w_up, w_down, c)
 
 
 def weighted_sum(y_nkd: jax.Array, valid_nk: jax.Array, weights_nk: jax.Array) -> jax.Array:

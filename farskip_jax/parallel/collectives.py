@@ -47,11 +47,14 @@ from farskip_jax.model.dispatch import (
     A2A_DISPATCH,
     device_family,
     drop_over_capacity,
+    fresh_zeros,
     grouped_ffn,
+    padded_ffn,
     resolve_matmul,
     routed_experts,
     rows_per_expert,
     sort_by_group,
+    take_rows,
     weighted_sum,
 )
 from farskip_jax.model.moe import RoutedExperts, Routing, SharedFn
@@ -109,14 +112,20 @@ class ExpertParallel:
 
 
 class _Regroup(NamedTuple):
-    dst_r: jax.Array  # [G*B] receive row -> expert-sorted row (clipped for rows nobody sent)
-    src_r: jax.Array  # [G*B] expert-sorted row -> receive row
+    """Receive layout (source-major) <-> expert-sorted rows, from the exchanged counts only.
+
+    Slots nobody sent point past the end, each to its own index (unique: `place_rows` drops them).
+    """
+
+    dst_r: jax.Array  # [G*B] receive row -> expert-sorted row (G*B + q: nothing received there)
+    src_r: jax.Array  # [G*B] expert-sorted row -> receive row (G*B + r: past the received rows)
     starts_l: jax.Array  # [L + 1] local expert boundaries in expert-sorted rows
+    expert_r: jax.Array  # [G*B] local expert of each receive row (L: nothing received)
 
 
 def _regroup(recv_counts_gl: jax.Array, per_src: int) -> _Regroup:
     """Maps the receive layout (source-major, local experts ascending inside each source, since
-    senders sort by global expert id) to local-expert-major rows, from the exchanged counts only."""
+    senders sort by global expert id) to local-expert-major rows."""
     groups, local = recv_counts_gl.shape
     rows = groups * per_src
     end_gl = jnp.cumsum(recv_counts_gl, axis=1)  # inside source s: expert l's rows end here
@@ -125,14 +134,60 @@ def _regroup(recv_counts_gl: jax.Array, per_src: int) -> _Regroup:
     earlier_gl = jnp.cumsum(recv_counts_gl, axis=0) - recv_counts_gl  # expert l's rows from sources < s
     slot_q = jnp.arange(per_src, dtype=jnp.int32)
     expert_gq = jax.vmap(lambda ends: jnp.searchsorted(ends, slot_q, side="right",
-                                                       method="scan_unrolled"))(end_gl)
+                                                       method="scan_unrolled"))(end_gl).astype(jnp.int32)
     sent_gq = expert_gq < local
-    expert_gq = jnp.minimum(expert_gq, local - 1)
     shift_gl = starts_l[:-1][None, :] + earlier_gl - start_gl
-    dst_gq = jnp.take_along_axis(shift_gl, expert_gq, axis=1) + slot_q
-    dst_r = jnp.where(sent_gq, dst_gq, rows).reshape(rows)
-    src_r = jnp.zeros(rows, jnp.int32).at[dst_r].set(jnp.arange(rows, dtype=jnp.int32), mode="drop")
-    return _Regroup(jnp.minimum(dst_r, rows - 1), src_r, starts_l)
+    dst_gq = jnp.take_along_axis(shift_gl, jnp.minimum(expert_gq, local - 1), axis=1) + slot_q
+    beyond = rows + jnp.arange(rows, dtype=jnp.int32)
+    dst_r = jnp.where(sent_gq.reshape(rows), dst_gq.reshape(rows), beyond)
+    src_r = beyond.at[dst_r].set(jnp.arange(rows, dtype=jnp.int32), mode="drop", unique_indices=True)
+    return _Regroup(dst_r, src_r, starts_l, expert_gq.reshape(rows))
+
+
+def _expert_ffn_impl(matmul: str, rows_per_group: int, recv_rd: jax.Array, rg: _Regroup, w_gate: jax.Array,
+                     w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    if matmul == "padded":  # received rows straight into the [L, C, D] buffer, no sorted copy
+        local = w_gate.shape[0]
+        expert = jnp.minimum(rg.expert_r, local - 1)
+        slot_r = jnp.where(rg.expert_r < local, expert * rows_per_group + rg.dst_r - rg.starts_l[expert],
+                           local * rows_per_group + jnp.arange(recv_rd.shape[0], dtype=jnp.int32))
+        return padded_ffn(recv_rd, slot_r, w_gate, w_up, w_down, rows_per_group)
+    y_rd = grouped_ffn(take_rows(recv_rd, rg.src_r), rg.starts_l, w_gate, w_up, w_down,
+                       matmul, rows_per_group)  # type: ignore[arg-type]
+    return take_rows(y_rd, rg.dst_r)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _expert_ffn(matmul: str, rows_per_group: int, recv_rd: jax.Array, rg: _Regroup, w_gate: jax.Array,
+                w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """This rank's experts over the received rows (regrouped by expert and back): [G*B, D].
+
+    Why a custom VJP: the weight gradients depend on nothing later in the backward pass, and XLA's
+    scheduler moved them to the end of the step (under the gradient reduce-scatters), which kept
+    every MoE layer's worst-case [L, G*N, D] grouped-GEMM buffers alive at once (DSV2-Lite FCSD,
+    4 x 4096 tokens per H200: 8 of them, 4 GiB each, at the peak). Here the input gradient is
+    multiplied by a 1 computed from the weight gradients, so they are done before the backward
+    pass leaves the layer. The 1 is exact for finite gradients; a non-finite weight gradient
+    makes the input gradient non-finite too, and the step is skipped either way.
+    """
+    return _expert_ffn_impl(matmul, rows_per_group, recv_rd, rg, w_gate, w_up, w_down)
+
+
+def _expert_ffn_fwd(matmul: str, rows_per_group: int, recv_rd: jax.Array, rg: _Regroup, w_gate: jax.Array,
+                    w_up: jax.Array, w_down: jax.Array) -> tuple[jax.Array, Any]:
+    return jax.vjp(lambda x, wg, wu, wd: _expert_ffn_impl(matmul, rows_per_group, x, rg, wg, wu, wd),
+                   recv_rd, w_gate, w_up, w_down)
+
+
+def _expert_ffn_bwd(matmul: str, rows_per_group: int, vjp: Any, ct: jax.Array) -> tuple[Any, ...]:
+    del matmul, rows_per_group
+    d_x, *d_w = vjp(ct)
+    # sum over whole gradients: a slice could be folded into the matmul and depend on less of it
+    one = jnp.sign(sum(jnp.sum(jnp.abs(g.astype(jnp.float32))) for g in d_w) + 1.0)
+    return (d_x * one.astype(d_x.dtype), None, *d_w)
+
+
+_expert_ffn.defvjp(_expert_ffn_fwd, _expert_ffn_bwd)
 
 
 class _Plan(NamedTuple):
@@ -152,16 +207,6 @@ class _Plan(NamedTuple):
 
     def transposed(self) -> _Plan:
         return _Plan(self.back_in, self.recv, self.back_out, self.send, self.in_off, self.out_off)
-
-
-def _zeros(rows: int, like: jax.Array) -> jax.Array:
-    """A zero [rows, D] buffer typed as varying over the batch axes, like the rows it will receive.
-
-    A plain zeros is mesh-invariant: a ragged_all_to_all result takes its `output` buffer's type,
-    and the backward pass would psum the receive buffer's cotangent over the mesh (a 768 MiB
-    all-reduce per exchange at DSV2-Lite EP=8, and wrong gradients).
-    """
-    return jax.lax.pcast(jnp.zeros((rows, like.shape[-1]), like.dtype), BATCH_AXES, to="varying")
 
 
 @jax.custom_vjp
@@ -188,7 +233,7 @@ def _ragged_move_fwd(x: jax.Array, out: jax.Array, plan: _Plan) -> tuple[jax.Arr
 def _ragged_move_bwd(res: tuple[_Plan, jax.Array], ct: jax.Array) -> tuple[jax.Array, None, None]:
     plan, x_rows = res
     # Rows of x that were not sent get a zero cotangent: nothing lands there in the transpose.
-    return _ragged_move(ct, _zeros(x_rows.shape[0], ct), plan.transposed()), None, None
+    return _ragged_move(ct, fresh_zeros(x_rows.shape[0], ct, plan.send), plan.transposed()), None, None
 
 
 _ragged_move.defvjp(_ragged_move_fwd, _ragged_move_bwd)
@@ -272,7 +317,7 @@ class _EPShard:
         srt, dropped = self._sort(weights_nk, experts_nk)
         with jax.named_scope("dispatch"):
             if self.exchange == "ragged":
-                recv_rd = _ragged_move(x_nd[srt.order_a // k], _zeros(groups * per_src, x_nd),
+                recv_rd = _ragged_move(x_nd[srt.order_a // k], fresh_zeros(groups * per_src, x_nd, srt.ids_a),
                                        self._plan(srt, per_src))
             else:  # per-destination buffers: slot q of rank g holds sorted row send_start[g] + q
                 starts_e = srt.starts_e[0]
@@ -284,9 +329,9 @@ class _EPShard:
             recv_rd = checkpoint_name(recv_rd, A2A_DISPATCH)
         with jax.named_scope("experts"):
             rg = _regroup(srt.recv_meta[0, :, :self.local], per_src)
-            y_rd = grouped_ffn(recv_rd[rg.src_r], rg.starts_l, w_gate, w_up, w_down, self.matmul,
-                               groups * rows_per_expert(n, self.seq_len, self.cfg))
-            return y_rd[rg.dst_r], srt, dropped
+            per_expert = groups * rows_per_expert(n, self.seq_len, self.cfg)
+            back_rd = _expert_ffn(self.matmul, per_expert, recv_rd, rg, w_gate, w_up, w_down)
+            return back_rd, srt, dropped
 
     def combine(self, back_rd: jax.Array, srt: _Sorted, weights_nk: jax.Array,
                 after_nd: jax.Array) -> jax.Array:
@@ -303,7 +348,7 @@ class _EPShard:
         with jax.named_scope("combine"):
             if self.exchange == "ragged":
                 # Rows come back in this rank's sorted order: [N*K, D]; dropped ones stay unwritten.
-                out = _zeros(n * k, back_rd).at[:1].set(after_nd[:1].astype(back_rd.dtype))
+                out = fresh_zeros(n * k, back_rd, srt.inv_a).at[:1].set(after_nd[:1].astype(back_rd.dtype))
                 out_rd = _ragged_move(back_rd, out, self._plan(srt, per_src).transposed())
                 out_rd = checkpoint_name(out_rd, A2A_COMBINE)
                 back_a = srt.inv_a
