@@ -131,21 +131,14 @@ def _after(value: jax.Array, dep: jax.Array) -> jax.Array:
     return _join(value, dep)[0]
 
 
-def _joins_attention(y: Stale, conn: Connectivity, is_moe: bool, reduce: ReduceFn | None) -> bool:
-    """Whether an ordered TP FarSkip layer joins x with its attention output (`residual_step`)."""
-    return (conn.tp_ordered and reduce is not None and conn.stale_blocks == 1 and conn.mlp_stale
-            and conn.attn_stale and is_moe and y is not None)
-
-
 def residual_step(x: jax.Array, y: Stale, conn: Connectivity, is_moe: bool, attn: AttnFn,
-                  ffn: FFNFn, reduce: ReduceFn | None = None, *, joined: bool = False
+                  ffn: FFNFn, reduce: ReduceFn | None = None
                   ) -> tuple[jax.Array, Stale, dict[str, jax.Array]]:
     """One decoder layer's residual wiring; returns (x', y', aux).
 
     `attn` and `ffn` take their (already normed) inputs and return full outputs, or per-device
     partial sums when `reduce` is given (tensor parallelism). Summation order follows the
     reference implementations so that regular connectivity reproduces HF's model exactly.
-    `joined`: the caller has already joined x with the attention output (`residual_step_chunks`).
     """
     two_streams = is_moe and conn.attn_stale
     ordered = conn.tp_ordered and reduce is not None
@@ -172,7 +165,7 @@ def residual_step(x: jax.Array, y: Stale, conn: Connectivity, is_moe: bool, attn
         return x_new, (_plus(h, out.shared) if two_streams else None), out.aux
     if conn.mlp_stale:
         # A and the FFN read the same layer input: their partial sums share reductions.
-        if _joins_attention(y, conn, is_moe, reduce) and not joined:
+        if ordered and two_streams and y is not None:
             # x carries the previous layer's routed psum: joined with A, the MoE and the A + S
             # psum follow this attention, which then runs under that psum (a parallel block,
             # y None, has no such psum). The order is [attention || routed psum k-1], then
@@ -210,9 +203,6 @@ def residual_step_chunks(xs: Sequence[jax.Array], ys: Sequence[Stale], conn: Con
     """
     a = attn(jnp.concatenate([attention_input(x, y, conn) for x, y in zip(xs, ys, strict=True)], axis=1))
     bounds = [sum(x.shape[1] for x in xs[:i]) for i in range(1, len(xs))]
-    joined = _joins_attention(ys[0], conn, is_moe, reduce)
-    if joined:  # residual_step's join for every chunk at once: A is then sliced after the barrier
-        *xs, a = jax.lax.optimization_barrier((*xs, a))
     previous: list[jax.Array] = []  # the FFN outputs so far, for the stagger
 
     def chained_ffn(h: jax.Array) -> FFNOut:
@@ -223,8 +213,7 @@ def residual_step_chunks(xs: Sequence[jax.Array], ys: Sequence[Stale], conn: Con
     results = []
     for c, (x, y, a_c) in enumerate(zip(xs, ys, jnp.split(a, bounds, axis=1), strict=True)):
         with jax.named_scope(f"chunk_{c}"):
-            results.append(residual_step(x, y, conn, is_moe, lambda _, a_c=a_c: a_c, chained_ffn, reduce,
-                                         joined=joined))
+            results.append(residual_step(x, y, conn, is_moe, lambda _, a_c=a_c: a_c, chained_ffn, reduce))
     xs_new = [r[0] for r in results]
     if staggered:
         xs_new[0] = _after(xs_new[0], previous[-1])
