@@ -11,7 +11,8 @@ computes the logits of every token).
     JAX_PLATFORMS=cpu python bench/prefill_variants.py --target h200 --out /tmp/pv [--layers 27]
         [--seq-len 4096] [--variants head,ordered,microbatches2,reduce_scatter,stale2] [--set k=v ...]
 
-Per variant it prints and writes (<out>/<target>/summary.md, .json): psum ("all-reduce", or
+Per variant it prints and writes (<out>/<target>/summary.md, .json, with the variants that earlier
+runs left in the same directory): psum ("all-reduce", or
 reduce-scatter + all-gather) hidden share by the compute scheduled between start and done and by
 the two-lane timeline replay, the same for the layers between the first and the last (where no
 edge of the model limits it), the estimated TTFT (the replay's end), and its ratio to regular
@@ -114,7 +115,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 timeline=False, pgle="auto")
         reports = cli.run_inspect(ns, build)
         results[name] = {mode: summarize(reports[mode]) for mode in modes}
+        (out / name / "variant.json").write_text(json.dumps(results[name], indent=1))
         print(row_lines(name, results[name]), flush=True)
+    # Variants compiled by earlier runs into the same directory join the summary (one process per
+    # variant keeps the memory of a 27-layer compile from piling up on a small machine).
+    for name in VARIANTS:
+        done = out / name / "variant.json"
+        if name not in results and done.exists():
+            results[name] = json.loads(done.read_text())
+    results = {name: results[name] for name in VARIANTS if name in results}
     summary = {"target": args.target, "config": args.config, "layers": args.layers, "batch": args.batch,
                "seq_len": args.seq_len, "program": args.program, "set": args.set, "variants": results}
     add_ratios(summary)
