@@ -80,6 +80,11 @@ def add_inspect_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
+def grouped_fill(args: argparse.Namespace) -> float:
+    """The cost model's grouped-GEMM fill (``hlo._Analyzer``); 1.0 unless the caller set one."""
+    return getattr(args, "grouped_fill", 1.0)
+
+
 def use_pgle(args: argparse.Namespace) -> bool:
     choice = getattr(args, "pgle", "off")
     return choice == "synthetic" or (choice == "auto" and args.target == "mi300x")
@@ -97,7 +102,8 @@ def _compile(fn: Any, specs: Sequence[Any], args: argparse.Namespace,
                                                    compiler_options=dict(args.compiler_option),
                                                    default_options=not args.no_default_options,
                                                    dump_lhs_schedule=args.lhs_dump,
-                                                   profile_dir=profile_dir)
+                                                   profile_dir=profile_dir,
+                                                   grouped_fill=grouped_fill(args))
             return res.artifacts, {"pgle": {"profile": res.profile_path, "costs": res.num_costs,
                                             "checker": res.checker}, "_baseline": res.baseline}
         return aot.compile_scheduled_hlo(fn, *specs, target=args.target,
@@ -133,13 +139,13 @@ def run_inspect(args: argparse.Namespace, build_step: BuildStep) -> dict[str, An
         fn, specs = build_step(mesh, mode)
         with _ticker(f"[{mode}] compiling for {args.target}"):
             art, extra = _compile(fn, specs, args, out / f"pgle_{mode}")
-        analysis = hlo.analyze(art.hlo_text, args.target, art.lhs_schedule_text)
+        analysis = hlo.analyze(art.hlo_text, args.target, art.lhs_schedule_text, grouped_fill(args))
         analyses[mode] = analysis
-        meta = {"mode": mode, "mesh": args.mesh, **art.summary()}
+        meta = {"mode": mode, "mesh": args.mesh, "grouped_gemm_fill": grouped_fill(args), **art.summary()}
         baseline = extra.pop("_baseline", None)
         meta.update(extra)
         if baseline is not None:
-            base = hlo.analyze(baseline.hlo_text, args.target).totals
+            base = hlo.analyze(baseline.hlo_text, args.target, grouped_fill=grouped_fill(args)).totals
             meta["pgle"]["without_profile"] = {
                 "all": base["all"]["hidden_frac"],
                 **{kind: agg["hidden_frac"] for kind, agg in base["by_kind"].items()}}
@@ -224,6 +230,12 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="train/fcsd: sequences per device per micro-batch, as in train.py")
     p.add_argument("--batch", type=int, default=1, help="prefill: sequences (replicated over the TP group)")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
+    p.add_argument("--moe-load", choices=("balanced", "static"), default="balanced",
+                   help="how the cost model prices grouped GEMMs (ragged_dot), whose row count is a "
+                        "worst case fixed at compile time: balanced = the rows balanced routing gives "
+                        "each device (a dropless EP=8 receive buffer holds 8x those), static = every "
+                        "row. Padded GEMMs and exchanges really move their whole buffers and are "
+                        "priced in full either way")
     add_inspect_args(p)
     p.set_defaults(modes=None)
     return p
@@ -251,6 +263,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.mode == "prefill" and not any(k == PSUM_COMBINE_OPTION[0] for k, _ in args.compiler_option):
         args.compiler_option.append(PSUM_COMBINE_OPTION)
+    tokens = args.seqs_per_device * args.seq_len if ep else args.batch * args.seq_len
+    args.grouped_fill = (steps.balanced_grouped_fill(cfg.model, mesh, ep, tokens, args.seq_len)
+                         if args.moe_load == "balanced" else 1.0)
     if args.mode == "train":
         build = steps.build_train_step(cfg, args.seqs_per_device, args.seq_len)
     elif args.mode == "fcsd":
@@ -258,7 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         build = steps.build_prefill_step(cfg, args.batch, args.seq_len)
     print(f"inspect: {cfg.name} {args.mode} on {args.target}, mesh {mesh}, modes {args.modes}, "
-          f"seq_len {args.seq_len}")
+          f"seq_len {args.seq_len}, grouped GEMMs priced at {args.grouped_fill:.4g} of their rows "
+          f"(--moe-load {args.moe_load})")
     t0 = time.perf_counter()
     reports = run_inspect(args, build)
     print(f"inspect: done in {time.perf_counter() - t0:.1f}s -> {args.out}")

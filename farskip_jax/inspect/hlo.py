@@ -116,6 +116,13 @@ def instr_flops(mod: HloModule, comp: Computation, ins: Instr, _depth: int = 0) 
     return 0.0
 
 
+def is_grouped_gemm(ins: Instr) -> bool:
+    """A grouped GEMM over sorted rows (``jax.lax.ragged_dot``): XLA's ``ragged-dot`` op, or the
+    hipBLASLt/cuBLASLt grouped-matmul custom call it lowers to. Its static row count is the worst
+    case; only the rows in its groups are computed (see ``_Analyzer``'s ``grouped_fill``)."""
+    return ins.opcode == "ragged-dot" or (ins.opcode == "custom-call" and "groupedMatmul" in ins.attrs)
+
+
 def instr_bytes(comp: Computation, ins: Instr) -> float:
     """HBM traffic estimate: result plus operands (in-place updates are over-counted)."""
     total = shape_bytes(ins.shape)
@@ -162,6 +169,21 @@ def group_size(ins: Instr, default: int) -> int:
     if m:
         return 2
     return default
+
+
+def collective_bytes(comp: Computation, ins: Instr, done: Instr | None, kind: str) -> float:
+    """Per-device result bytes of a collective (``ins``; ``done``: its done op if async).
+
+    A start op returns a tuple, so the result is the done's shape. For a ragged all-to-all what
+    moves is known only at run time (send sizes): one side of an EP exchange is sized for the worst
+    case (a Dispatch's receive buffer: every peer sending all its rows here, EP x the input), the
+    other holds the rows a device owns, so the smaller of the send (operand 0) and receive buffers
+    is what moves.
+    """
+    nbytes = shape_bytes(done.shape if done is not None else ins.shape)
+    if kind == "ragged-all-to-all" and ins.operands and ins.operands[0] in comp.by_name:
+        nbytes = min(nbytes, shape_bytes(comp.by_name[ins.operands[0]].shape))
+    return nbytes
 
 
 def transfer_time_us(kind: str, nbytes: float, n: int, hw: dict[str, Any]) -> float:
@@ -410,8 +432,18 @@ def _inner_call(ins: Instr) -> str | None:
 
 
 class _Analyzer:
-    def __init__(self, mod: HloModule, hw: dict[str, Any]):
-        self.mod, self.hw = mod, hw
+    """The per-op cost model: roofline compute, link-model collectives.
+
+    ``grouped_fill``: the fraction of a grouped GEMM's static rows that hold tokens. A dropless
+    expert-parallel receive buffer is sized for every peer sending all its rows to one rank (8x the
+    rows balanced routing delivers on DSV2-Lite at EP=8), and the grouped GEMM computes only the
+    rows its groups hold; 1.0 charges the static worst case.
+    """
+
+    def __init__(self, mod: HloModule, hw: dict[str, Any], grouped_fill: float = 1.0):
+        if not 0.0 < grouped_fill <= 1.0:
+            raise ValueError(f"grouped_fill={grouped_fill}: expected a fraction in (0, 1]")
+        self.mod, self.hw, self.grouped_fill = mod, hw, grouped_fill
         self._cost: dict[tuple[str, str], float] = {}
         self._comp_cost: dict[str, float] = {}
         self._phases: Phases | None = None
@@ -439,6 +471,8 @@ class _Analyzer:
         else:
             flops = instr_flops(self.mod, comp, ins)
             t = max(flops / self.hw["peak_flops"], instr_bytes(comp, ins) / self.hw["hbm_bw"]) * 1e6
+            if is_grouped_gemm(ins):
+                t *= self.grouped_fill
         self._cost[key] = t
         return t
 
@@ -486,14 +520,7 @@ class _Analyzer:
                                    and (collective_kind(self.mod, comp.instrs[j]) or ("", ""))[1] == "done"),
                                   k)
                 done = comp.instrs[done_k]
-                # the result shape: for a start op it is the done's (start returns a tuple)
-                nbytes = shape_bytes(done.shape if form == "start" else ins.shape)
-                if kind == "ragged-all-to-all" and ins.operands and ins.operands[0] in comp.by_name:
-                    # What moves is known only at run time (send sizes). One side of an EP exchange
-                    # is sized for the worst case (a Dispatch's receive buffer: every peer sending
-                    # all its rows here, EP x the input); the other holds the rows a device owns.
-                    # The smaller of the send (operand 0) and receive buffers is that count.
-                    nbytes = min(nbytes, shape_bytes(comp.by_name[ins.operands[0]].shape))
+                nbytes = collective_bytes(comp, ins, done if form == "start" else None, kind)
                 n = group_size(ins, self.mod.num_partitions)
                 between = []
                 for j in range(k + 1, done_k):
@@ -702,12 +729,14 @@ def _by_role(recs: list[CollectiveRecord], agg: Any) -> dict[str, Any]:
     return {k: agg(v) for k, v in sorted(roles.items())}
 
 
-def analyze(text: str, target: str, lhs_schedule_text: str | None = None) -> Analysis:
-    """Parse scheduled HLO text and estimate collective overlap for ``target`` (see HARDWARE)."""
+def analyze(text: str, target: str, lhs_schedule_text: str | None = None, grouped_fill: float = 1.0
+            ) -> Analysis:
+    """Parse scheduled HLO text and estimate collective overlap for ``target`` (see HARDWARE);
+    ``grouped_fill`` as in ``_Analyzer``."""
     if target not in HARDWARE:
         raise ValueError(f"unknown target {target!r}; known: {sorted(HARDWARE)}")
     mod = parse_hlo(text)
-    an = _Analyzer(mod, HARDWARE[target])
+    an = _Analyzer(mod, HARDWARE[target], grouped_fill)
     recs = an.collectives(an.scheduled_computations())
     sim = _Simulator(an, recs)
     sim.run(mod.entry)

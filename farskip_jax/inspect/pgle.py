@@ -136,8 +136,7 @@ def instruction_cost_us(an: Any, comp: Computation, ins: Instr, done: Instr | No
             return None  # PGLE costs start/done ops at a fixed 1 unit and never looks them up
         carrier = _wrapped(mod, ins) if ins.opcode == "async-start" else ins
         carrier = carrier or ins
-        # start ops return tuples (operands, result, ...): the done's shape is the result alone
-        nbytes = shape_bytes(done.shape if done is not None else carrier.shape)
+        nbytes = hlo.collective_bytes(comp, carrier, done, kind)
         n = hlo.group_size(carrier, mod.num_partitions)
         return hlo.transfer_time_us(kind, nbytes, n, hw)
     if ins.opcode == "async-start":  # compute moved to another stream: its wrapped computation
@@ -151,7 +150,7 @@ def instruction_cost_us(an: Any, comp: Computation, ins: Instr, done: Instr | No
     return an.op_time_us(comp, ins)
 
 
-def profile_costs(hlo_text: str, target: str) -> dict[str, float]:
+def profile_costs(hlo_text: str, target: str, grouped_fill: float = 1.0) -> dict[str, float]:
     """Cost in microseconds of every instruction the scheduler orders in ``hlo_text``.
 
     ``hlo_text`` is the module at scheduler entry (see ``scheduler_entry_hlo``); ``target`` keys
@@ -163,7 +162,7 @@ def profile_costs(hlo_text: str, target: str) -> dict[str, float]:
     mod = parse_hlo(hlo_text)
     # hlo._Analyzer is the inspector's per-op cost model (roofline per op, while = trips x body);
     # used as is so that the scheduler and the overlap report price every op identically.
-    an = hlo._Analyzer(mod, hlo.HARDWARE[target])
+    an = hlo._Analyzer(mod, hlo.HARDWARE[target], grouped_fill)
     costs: dict[str, float] = {}
     for cname in an.scheduled_computations():
         comp = mod.computations[cname]
@@ -187,17 +186,19 @@ def profile_text(costs: dict[str, float], fingerprint: str, comment: str = "") -
     return "\n".join(lines) + "\n"
 
 
-def write_profile(hlo_text: str, target: str, directory: str | Path | None = None) -> str:
+def write_profile(hlo_text: str, target: str, directory: str | Path | None = None,
+                  grouped_fill: float = 1.0) -> str:
     """Cost ``hlo_text`` (module at scheduler entry) for ``target`` and write
     ``<directory>/<fingerprint>.pbtxt``; returns that path. ``directory`` defaults to a new
     temporary directory (kept: the caller passes the file to the next compile)."""
     fingerprint = module_fingerprint(hlo_text)
-    costs = profile_costs(hlo_text, target)
+    costs = profile_costs(hlo_text, target, grouped_fill)
     d = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix="farskip_pgle_"))
     d.mkdir(parents=True, exist_ok=True)
     name = parse_hlo(hlo_text).name
     comment = (f"synthetic PGLE profile (farskip_jax.inspect.pgle), target {target}, module {name}\n"
-               f"fingerprint_before_lhs {fingerprint}, {len(costs)} instructions, roofline + link model")
+               f"fingerprint_before_lhs {fingerprint}, {len(costs)} instructions, roofline + link model, "
+               f"grouped GEMMs at {grouped_fill:.4g} of their static rows")
     path = d / f"{fingerprint}.pbtxt"
     path.write_text(profile_text(costs, fingerprint, comment))
     return str(path)
@@ -241,13 +242,14 @@ def compile_with_synthetic_pgle(jitted_fn: Any, *arg_specs: Any, target: str,
                                 compiler_options: dict[str, Any] | None = None,
                                 default_options: bool = True, profile_dir: str | Path | None = None,
                                 dump_lhs_schedule: bool = False,
-                                cost_target: str | None = None) -> PgleCompile:
+                                cost_target: str | None = None, grouped_fill: float = 1.0) -> PgleCompile:
     """Compile ``jitted_fn`` for ``target`` twice: once to dump the scheduler's input (kept as the
     baseline), then with a synthetic PGLE profile of it and the strict accuracy checker.
 
     Options are those of ``aot.compile_scheduled_hlo`` (``default_options`` adds the target's flag
     table; ``compiler_options`` wins). ``cost_target`` names the ``hlo.HARDWARE`` entry that prices
-    the profile (default: ``target``); with ``target="local"`` on a real GPU host it must be given
+    the profile (default: ``target``) and ``grouped_fill`` its grouped GEMMs (``hlo._Analyzer``);
+    with ``target="local"`` on a real GPU host it must be given
     (e.g. "mi300x"), and so must ``compiler_options=xla_flags.compiler_options_for("mi300x")`` or
     equivalent XLA_FLAGS, since the dump compile needs the latency-hiding scheduler on (not
     exercised here: this project's CI has no GPU). Raises ``PgleError`` when XLA rejects the
@@ -264,7 +266,7 @@ def compile_with_synthetic_pgle(jitted_fn: Any, *arg_specs: Any, target: str,
     baseline, entry_text = scheduler_entry_hlo(jitted_fn, *arg_specs, target=target,
                                                compiler_options=base_opts, default_options=default_options,
                                                dump_lhs_schedule=dump_lhs_schedule)
-    path = write_profile(entry_text, cost_target, profile_dir)
+    path = write_profile(entry_text, cost_target, profile_dir, grouped_fill)
     checker = "error"
     try:
         art = _compile_with_profile(jitted_fn, arg_specs, target, base_opts, path, STRICT_OPTIONS,

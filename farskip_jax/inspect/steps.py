@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from farskip_jax.config import Config, ModelConfig
+from farskip_jax.model.dispatch import rows_per_expert
 from farskip_jax.model.transformer import Transformer, with_farskip
 from farskip_jax.parallel import BATCH_AXES, ExpertParallel, param_specs_tree, tp_forward
 
@@ -98,6 +99,24 @@ def build_fcsd_step(cfg: Config, seqs_per_device: int, seq_len: int
         return abstract_train_step(student, mesh, seqs_per_device, seq_len)
 
     return build
+
+
+def balanced_grouped_fill(cfg: ModelConfig, mesh: dict[str, int], expert_parallel: bool, tokens: int,
+                          seq_len: int) -> float:
+    """The fraction of a grouped GEMM's static rows that hold tokens when routing is balanced.
+
+    ``tokens``: per device under expert parallelism (``expert_parallel``), per TP group otherwise.
+    EP: a device's N tokens send N*K rows and, balanced, receive N*K, into a buffer of G * per-source
+    rows (``parallel.collectives``: min(N*min(K, L), L*C) each; dropless that is 8x N*K for
+    DSV2-Lite at G=8). TP: every rank sorts all N*K assignments and computes its 1/G share.
+    """
+    k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
+    if not expert_parallel:
+        return 1.0 / mesh.get("tensor", 1)
+    g = mesh.get("expert", 1)
+    local = e // g
+    per_src = min(tokens * min(k, local), local * rows_per_expert(tokens, seq_len, cfg))
+    return min(1.0, tokens * k / (g * per_src))
 
 
 def _match_param_shardings(opt: Any, params: Any, p_shard: Any, default: NamedSharding) -> Any:

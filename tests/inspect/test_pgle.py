@@ -347,3 +347,62 @@ def test_mi300x_profile_accepted_and_hides_more(tmp_path: Path) -> None:
     assert far["pgle"]["step_us"] < far["base"]["step_us"]
     assert "missing instructions" in out["negative"]["drop"], out["negative"]
     assert "missing instructions" in out["negative"]["wrong_fingerprint"]
+
+
+_GROUPED_CFG = ('backend_config={"grouped_gemm_backend_config":{"gemm_backend_config":'
+                '{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["1"]}}}}')
+# An EP=8 Dispatch as XLA writes it: the ragged all-to-all sends the 1024 rows this device owns
+# into a receive buffer sized for every peer sending all of them (8192 rows), and the grouped GEMM
+# (ragged_dot) runs over that static buffer.
+_EP_HLO = "\n".join([
+    "HloModule jit_ep, is_scheduled=true, num_partitions=8, "
+    f'frontend_attributes={{fingerprint_before_lhs="{_FP}"}}',
+    "",
+    "ENTRY %main (x: bf16[1024,2048], buf: bf16[8192,2048], w: bf16[8,2048,1408], o: s64[8]) "
+    "-> bf16[8192,1408] {",
+    "  %x = bf16[1024,2048]{1,0} parameter(0)",
+    "  %buf = bf16[8192,2048]{1,0} parameter(1)",
+    "  %w = bf16[8,2048,1408]{2,1,0} parameter(2)",
+    "  %o = s64[8]{0} parameter(3)",
+    "  %ragged-all-to-all.1 = bf16[8192,2048]{1,0} ragged-all-to-all(%x, %buf, %o, %o, %o, %o), "
+    "channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}",
+    "  %sizes = s64[8]{0} convert(%o)",
+    "  %custom-call.3 = (bf16[8192,1408]{1,0}, s8[64]{0}) custom-call(%ragged-all-to-all.1, %w, %sizes), "
+    f'custom_call_target="__cublas$lt$groupedMatmul", {_GROUPED_CFG}',
+    "  ROOT %y = bf16[8192,1408]{1,0} get-tuple-element(%custom-call.3), index=0",
+    "}",
+    "",
+])
+
+
+def test_grouped_gemm_priced_at_fill_and_ragged_exchange_at_rows_sent() -> None:
+    full = pgle.profile_costs(_EP_HLO, "mi300x")
+    balanced = pgle.profile_costs(_EP_HLO, "mi300x", grouped_fill=0.125)
+    gemm = 2 * 8192 * 2048 * 1408 / 1307.4e12 * 1e6  # static rows, compute-bound at bf16 peak
+    assert full["custom-call.3"] == pytest.approx(gemm)
+    assert balanced["custom-call.3"] == pytest.approx(gemm / 8)
+    # what moves is the 1024 rows sent (4 MiB), not the 8192-row receive buffer; the same price in
+    # the profile and in the overlap analysis
+    sent = hlo.transfer_time_us("ragged-all-to-all", 1024 * 2048 * 2, 8, hlo.HARDWARE["mi300x"])
+    assert full["ragged-all-to-all.1"] == pytest.approx(sent) == balanced["ragged-all-to-all.1"]
+    (rec,) = hlo.analyze(_EP_HLO, "mi300x", grouped_fill=0.125).collectives
+    assert rec.transfer_us == pytest.approx(sent)
+    with pytest.raises(ValueError, match="grouped_fill"):
+        pgle.profile_costs(_EP_HLO, "mi300x", grouped_fill=0.0)
+
+
+def test_balanced_fill_of_the_dsv2lite_buffers() -> None:
+    import dataclasses
+
+    from farskip_jax.config import load_config
+    from farskip_jax.inspect.steps import balanced_grouped_fill
+
+    m = load_config("dsv2lite").model  # K=6 of 64 experts
+    # EP=8, dropless: 16384 tokens send 6 rows each; the receive buffer holds 8 x 16384 x min(6, 8)
+    assert balanced_grouped_fill(m, {"expert": 8}, True, 16384, 4096) == pytest.approx(1 / 8)
+    # a capacity of 1.25: 8 local experts x 1.25 x 4 sequences x 4096 x 6 / 64 rows per source
+    cap = dataclasses.replace(m, capacity_factor=1.25)
+    assert balanced_grouped_fill(cap, {"expert": 8}, True, 16384, 4096) == pytest.approx(0.8)
+    # TP=8: every rank sorts all assignments and computes its eighth
+    assert balanced_grouped_fill(m, {"tensor": 8}, False, 4096, 4096) == pytest.approx(1 / 8)
+    assert balanced_grouped_fill(m, {"expert": 1}, True, 4096, 4096) == 1.0
