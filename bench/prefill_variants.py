@@ -109,10 +109,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cfg = load_config(args.config, sets)
         build = (ttft_step(cfg, args.batch, args.seq_len) if args.program == "ttft"
                  else steps.build_prefill_step(cfg, args.batch, args.seq_len))
-        ns = argparse.Namespace(target=args.target, mesh={"data": 1, "expert": 1, "tensor": args.tp},
-                                modes=",".join(modes), out=out / name, lhs_dump=False,
-                                compiler_option=list(COMBINERS_OFF), no_default_options=False, save_hlo=False,
-                                timeline=False, pgle="auto")
+        mesh = {"data": 1, "expert": 1, "tensor": args.tp}
+        fill = (steps.balanced_grouped_fill(cfg.model, mesh, False, args.batch * args.seq_len, args.seq_len)
+                if args.moe_load == "balanced" else 1.0)
+        ns = argparse.Namespace(target=args.target, mesh=mesh, modes=",".join(modes), out=out / name,
+                                lhs_dump=False, compiler_option=list(COMBINERS_OFF), no_default_options=False,
+                                save_hlo=False, timeline=False, pgle="auto", grouped_fill=fill)
         reports = cli.run_inspect(ns, build)
         results[name] = {mode: summarize(reports[mode]) for mode in modes}
         (out / name / "variant.json").write_text(json.dumps(results[name], indent=1))
@@ -125,7 +127,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results[name] = json.loads(done.read_text())
     results = {name: results[name] for name in VARIANTS if name in results}
     summary = {"target": args.target, "config": args.config, "layers": args.layers, "batch": args.batch,
-               "seq_len": args.seq_len, "program": args.program, "set": args.set, "variants": results}
+               "seq_len": args.seq_len, "program": args.program, "set": args.set, "moe_load": args.moe_load,
+               "variants": results}
     add_ratios(summary)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -187,6 +190,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help=f"comma-separated subset of {list(VARIANTS)}")
     p.add_argument("--program", choices=("ttft", "inspector"), default="ttft")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config override")
+    p.add_argument("--moe-load", choices=("balanced", "static"), default="balanced",
+                   help="grouped GEMM pricing, as `inspect --moe-load` (balanced: each rank's 1/TP share)")
     p.add_argument("--out", type=Path, required=True)
     run(p.parse_args(argv))
 
