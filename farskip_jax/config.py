@@ -155,6 +155,14 @@ class ModelConfig:
     # chain the token chunks' FFNs) so that XLA schedules under each psum the compute that the
     # wiring lets it overlap (model/farskip.py `_join`). Scheduling only: the numbers are unchanged.
     tp_order_barriers: bool = True
+    # Single-device and expert-parallel paths (ignored under tensor parallelism): split each device's
+    # sequences into this many equal chunks that run through every layer as separate streams, so
+    # one chunk's all-to-alls can hide under another chunk's compute (MaxText's "batch split").
+    # Lossless: sequences are independent, and capacity is counted per sequence.
+    batch_split: int = 1
+    # Stagger the batch chunks with optimization barriers (model/farskip.py residual_step_chunks):
+    # chunk 1's attention beside chunk 0's MoE. Off: the chunks are independent, XLA orders them.
+    batch_split_stagger: bool = False
     farskip: FarSkipConfig = dataclasses.field(default_factory=FarSkipConfig)
 
     @property
@@ -169,7 +177,7 @@ class ModelConfig:
                     "num_layers", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                     "v_head_dim", "n_routed_experts", "num_experts_per_tok", "moe_layer_freq",
                     "n_group", "topk_group", "aux_device_groups", "attention_block_q",
-                    "attention_block_kv", "tp_microbatches"]
+                    "attention_block_kv", "tp_microbatches", "batch_split"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be > 0, got {getattr(self, name)}")
@@ -195,6 +203,12 @@ class ModelConfig:
         if self.tp_microbatches > 1 and self.layer_loop == "scan":
             raise ConfigError("model.tp_microbatches > 1 needs model.layer_loop=unrolled (the chunks of "
                               "one layer interleave with those of the next)")
+        if self.batch_split > 1 and self.layer_loop == "scan":
+            raise ConfigError("model.batch_split > 1 needs model.layer_loop=unrolled (the chunks of "
+                              "one layer interleave with those of the next)")
+        if self.batch_split > 1 and self.tp_microbatches > 1:
+            raise ConfigError("model.batch_split > 1 and model.tp_microbatches > 1 are exclusive "
+                              "(one chunking of the residual streams at a time)")
         fs = self.farskip
         if fs.stale_blocks not in (1, 2):
             raise ConfigError(f"model.farskip.stale_blocks must be 1 or 2, got {fs.stale_blocks}")

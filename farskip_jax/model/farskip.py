@@ -37,8 +37,9 @@ parallelism both psums then have two sub-blocks to hide under: psum(A_k) is firs
 MoE of k+1 (it runs under the MoE of k and the attention of k+1), psum(S_k + R_k) by the
 attention of k+2 (under the attention and MoE of k+1).
 
-Token chunks (`residual_step_chunks`, the TP option `tp_microbatches`) run this same recurrence
-per chunk of a sequence; only attention, the one op that mixes tokens, runs over all chunks.
+Chunks (`residual_step_chunks`) run this same recurrence per chunk: token chunks of a sequence
+(the TP option `tp_microbatches`; attention, the one op that mixes tokens, runs over all chunks)
+or batch chunks of whole sequences (`batch_split`; attention per chunk).
 """
 
 from __future__ import annotations
@@ -185,35 +186,52 @@ def residual_step(x: jax.Array, y: Stale, conn: Connectivity, is_moe: bool, attn
 
 
 def residual_step_chunks(xs: Sequence[jax.Array], ys: Sequence[Stale], conn: Connectivity, is_moe: bool,
-                         attn: AttnFn, ffn: FFNFn, reduce: ReduceFn | None = None, staggered: bool = False
+                         attn: AttnFn | Sequence[AttnFn], ffn: FFNFn, reduce: ReduceFn | None = None,
+                         staggered: bool = False
                          ) -> tuple[list[jax.Array], list[Stale], dict[str, jax.Array]]:
-    """`residual_step` on token chunks of the same sequences (split on axis 1); returns per-chunk
-    (x', y') and the chunks' mean aux.
+    """`residual_step` on chunks of the residual streams; returns per-chunk (x', y') and the
+    chunks' mean aux.
 
-    Attention is the only op that mixes tokens, so it runs once, over the concatenation of the
-    chunks of the stream it reads. Everything else (norms, router, experts, reductions, residual
-    adds) is per token: each chunk runs the recurrence on its own, and XLA may run one chunk's
-    psums under the other chunk's FFN or under the next layer's attention. The values are those
-    of one chunk (dropless routing; matmuls over fewer rows may round differently); balance losses
-    become means of per-chunk statistics, which inference does not use.
+    Token chunks (one `attn`, the TP option `tp_microbatches`): chunks of the same sequences, split
+    on axis 1. Attention is the only op that mixes tokens, so it runs once, over the concatenation
+    of the chunks of the stream it reads. Batch chunks (one `attn` per chunk, `batch_split`): whole
+    sequences, split on axis 0; sequences are independent, so attention runs per chunk too.
+    Everything else (norms, router, experts, collectives, residual adds) is per token: each chunk
+    runs the recurrence on its own, and XLA may run one chunk's psums or all-to-alls under another
+    chunk's compute. The values are those of one chunk (dropless routing for token chunks;
+    matmuls over fewer rows may round differently). Aux values are the chunks' means: exact for
+    the dropped fraction and sequence-wise balance losses (equal chunks of whole sequences), a
+    mean of per-chunk statistics otherwise (token chunks; batch chunks with `seq_aux` off).
 
-    `staggered` chains the chunks' FFNs, as MaxText's batch-split schedule does: chunk c's FFN
-    starts after chunk c-1's output exists, and chunk 0 of the next layer after the last chunk
-    of this one, so each chunk's psums run under the next chunk's FFN.
+    `staggered` chains the chunks, as MaxText's batch-split schedule does: chunk c's FFN starts
+    after chunk c-1's FFN output exists (batch chunks: its attention after chunk c-1's attention
+    too), and chunk 0 of the next layer after the last chunk of this one, so each chunk's
+    collectives run under the next chunk's compute.
     """
-    a = attn(jnp.concatenate([attention_input(x, y, conn) for x, y in zip(xs, ys, strict=True)], axis=1))
-    bounds = [sum(x.shape[1] for x in xs[:i]) for i in range(1, len(xs))]
     previous: list[jax.Array] = []  # the FFN outputs so far, for the stagger
+    attn_done: list[jax.Array] = []  # batch chunks: the attention outputs so far
 
     def chained_ffn(h: jax.Array) -> FFNOut:
         out = ffn(_after(h, previous[-1]) if staggered and previous else h)
         previous.append(out.main)
         return out
 
+    if callable(attn):
+        a = attn(jnp.concatenate([attention_input(x, y, conn) for x, y in zip(xs, ys, strict=True)], axis=1))
+        bounds = [sum(x.shape[1] for x in xs[:i]) for i in range(1, len(xs))]
+        chunk_attns = [lambda _, a_c=a_c: a_c for a_c in jnp.split(a, bounds, axis=1)]
+    else:
+        def chained(attn_c: AttnFn) -> AttnFn:
+            def run(h: jax.Array) -> jax.Array:
+                attn_done.append(attn_c(_after(h, attn_done[-1]) if staggered and attn_done else h))
+                return attn_done[-1]
+            return run
+        chunk_attns = [chained(f) for f in attn]
+
     results = []
-    for c, (x, y, a_c) in enumerate(zip(xs, ys, jnp.split(a, bounds, axis=1), strict=True)):
+    for c, (x, y, attn_c) in enumerate(zip(xs, ys, chunk_attns, strict=True)):
         with jax.named_scope(f"chunk_{c}"):
-            results.append(residual_step(x, y, conn, is_moe, lambda _, a_c=a_c: a_c, chained_ffn, reduce))
+            results.append(residual_step(x, y, conn, is_moe, attn_c, chained_ffn, reduce))
     xs_new = [r[0] for r in results]
     if staggered:
         xs_new[0] = _after(xs_new[0], previous[-1])

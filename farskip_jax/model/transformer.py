@@ -6,6 +6,7 @@ Shape legend: B batch, T tokens, D model width, V vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -44,17 +45,22 @@ class DecoderLayer(nnx.Module):
         self.attn = MLAttention(cfg, rngs)
         self.is_moe = cfg.is_moe_layer(idx)
         self.tp_order_barriers = cfg.tp_order_barriers
+        self.batch_split_stagger = cfg.batch_split_stagger
         if self.is_moe:
             self.moe = MoE(cfg, rngs)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg, rngs)
 
-    def __call__(self, x: jax.Array | list[jax.Array], y: Stale | list[Stale], positions: jax.Array,
-                 segment_ids: jax.Array, conn: Connectivity, routed_fn: RoutedFn, reduce: ReduceFn | None):
-        """(x', y', aux); x and y are lists of token chunks under `tp_microbatches` (farskip.py)."""
-        def attn(h):
-            with jax.named_scope("attention"):
-                return self.attn(self.input_norm(h), positions, segment_ids)
+    def __call__(self, x: jax.Array | list[jax.Array], y: Stale | list[Stale],
+                 positions: jax.Array | list[jax.Array], segment_ids: jax.Array | list[jax.Array],
+                 conn: Connectivity, routed_fn: RoutedFn, reduce: ReduceFn | None):
+        """(x', y', aux); x and y are lists of token chunks under `tp_microbatches`, and x, y, positions
+        and segment_ids lists of batch chunks under `batch_split` (farskip.py)."""
+        def attention(positions, segment_ids):
+            def attn(h):
+                with jax.named_scope("attention"):
+                    return self.attn(self.input_norm(h), positions, segment_ids)
+            return attn
 
         def ffn(h):
             h = self.post_attn_norm(h)
@@ -64,6 +70,11 @@ class DecoderLayer(nnx.Module):
             with jax.named_scope("mlp"):
                 return FFNOut(None, self.mlp(h), {})
 
+        if isinstance(positions, list):
+            attns = [attention(p, s) for p, s in zip(positions, segment_ids, strict=True)]
+            return residual_step_chunks(x, y, conn, self.is_moe, attns, ffn, reduce,
+                                        staggered=self.batch_split_stagger)
+        attn = attention(positions, segment_ids)
         if isinstance(x, list):
             return residual_step_chunks(x, y, conn, self.is_moe, attn, ffn, reduce,
                                         staggered=self.tp_order_barriers and reduce is not None)
@@ -120,6 +131,18 @@ class Transformer(nnx.Module):
             # Materialised apart (a barrier): XLA would otherwise fuse the slice that starts chunk 1
             # into the residual add after chunk 0's first psum, making chunk 1 wait for that psum.
             x, y = list(jax.lax.optimization_barrier(jnp.split(x, chunks, axis=1))), [None] * chunks
+            join = _concat
+        # Batch chunks (single device, expert parallelism): whole sequences, positions and segments
+        # with them; each device's sequences are split, so a chunk stays on its devices.
+        elif reduce is None and cfg.batch_split > 1:
+            chunks = cfg.batch_split
+            shards = getattr(parallel, "batch_shards", 1)
+            if b % (shards * chunks):
+                raise ValueError(f"model.batch_split={chunks} does not divide the {b // shards} sequences "
+                                 f"per device ({b} sequences over {shards} devices)")
+            x, positions, segment_ids = (_split_batch(v, chunks, shards) for v in (x, positions, segment_ids))
+            y = [None] * chunks
+            join = functools.partial(_join_batch, shards=shards)
         aux_sum: dict[str, Any] = {}
         outputs = []
         conns = self.connectivity()
@@ -130,7 +153,7 @@ class Transformer(nnx.Module):
                 with jax.named_scope(f"layer_{i}"):
                     x, y, aux = _maybe_remat(self.layers[i], cfg.remat)(x, y, positions, segment_ids,
                                                                         conns[i], routed_fn, reduce)
-                xs: list[jax.Array] = [_concat(x) if chunks > 1 else x]
+                xs: list[jax.Array] = [join(x) if chunks > 1 else x]
             else:
                 with jax.named_scope(f"layers_{group[0]}_{group[-1]}"):
                     x, y, xs, aux = _scan_layers([self.layers[i] for i in group], conns[group[0]], cfg.remat,
@@ -142,7 +165,7 @@ class Transformer(nnx.Module):
         if "dropped_fraction" in aux_sum:
             aux_sum["dropped_fraction"] = aux_sum["dropped_fraction"] / max(n_moe, 1)
         if chunks > 1:
-            x = _concat(x)
+            x = join(x)
         hidden = self.final_norm(x)  # the final norm reads x; y is dropped
         logits = self.logits(hidden) if compute_logits else None
         return ModelOutput(logits, hidden, aux_sum, tuple(outputs))
@@ -160,6 +183,19 @@ class Transformer(nnx.Module):
 def _concat(chunks: list[jax.Array]) -> jax.Array:
     """Token chunks (axis 1) back into one array."""
     return jnp.concatenate(chunks, axis=1)
+
+
+def _split_batch(v: jax.Array, chunks: int, shards: int) -> list[jax.Array]:
+    """Batch chunks of v [B, ...] sharded over `shards` devices on axis 0: chunk c holds part c of
+    every device's sequences, so splitting and joining (`_join_batch`) move no data between devices."""
+    per_shard = v.reshape(shards, chunks, v.shape[0] // (shards * chunks), *v.shape[1:])
+    return [per_shard[:, c].reshape(v.shape[0] // chunks, *v.shape[1:]) for c in range(chunks)]
+
+
+def _join_batch(vs: list[jax.Array], shards: int) -> jax.Array:
+    """The inverse of `_split_batch`."""
+    stacked = jnp.stack([v.reshape(shards, -1, *v.shape[1:]) for v in vs], axis=1)
+    return stacked.reshape(-1, *vs[0].shape[1:])
 
 
 def _maybe_remat(layer: DecoderLayer, policy: str):

@@ -77,6 +77,11 @@ class ExpertParallel:
     mesh: Mesh
     reduce: None = None
 
+    @property
+    def batch_shards(self) -> int:
+        """Devices the batch axis is split over (the model's `batch_split` chunks each device's part)."""
+        return self.mesh.shape["data"] * self.mesh.shape["expert"]
+
     def routed_fn(self, x_nd: jax.Array, routing: Routing, experts: RoutedExperts,
                   cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
         routed, dropped, _ = self.routed_with_shared(x_nd, routing, experts, cfg, None)
