@@ -161,7 +161,9 @@ class ModelConfig:
     # Lossless: sequences are independent, and capacity is counted per sequence.
     batch_split: int = 1
     # Stagger the batch chunks with optimization barriers (model/farskip.py residual_step_chunks):
-    # chunk 1's attention beside chunk 0's MoE. Off: the chunks are independent, XLA orders them.
+    # chunk 1's attention beside chunk 0's MoE. Off (default): the chunks are independent and XLA
+    # orders them, which hid more of FarSkip's all-to-alls; on hid more under regular connectivity
+    # and lowered peak memory (bench/results/batch_split.md).
     batch_split_stagger: bool = False
     farskip: FarSkipConfig = dataclasses.field(default_factory=FarSkipConfig)
 
