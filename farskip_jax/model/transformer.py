@@ -31,7 +31,8 @@ from farskip_jax.model.moe import MoE, RoutedFn, local_routed
 
 
 class Parallelism(Protocol):
-    """What a sharded execution plugs into the model (see farskip_jax.parallel)."""
+    """What a sharded execution plugs into the model (see farskip_jax.parallel); one that splits the
+    batch over devices also says over how many (`batch_shards`, read by `model.batch_split`)."""
 
     routed_fn: RoutedFn
     reduce: ReduceFn | None

@@ -4,8 +4,8 @@ Model: tiny with 3 layers (dense, first MoE = a parallel block under FarSkip, Mo
 streams). Checks logits, the aux values (dropped fraction, sequence-wise balance losses: exact for
 equal chunks of whole sequences) and the gradients of mean(logits * W) + balance losses, on one
 device (both stagger variants, dropless and with a capacity) and on EP=8 host devices (both
-variants); that splitting and joining the batch moves no data between devices; and the config /
-batch-size errors.
+variants, and remat=save_a2a); that splitting and joining the batch moves no data between
+devices; and the config / batch-size errors.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def _run(cfg, state, ids, w, mesh=None):
 
 CASES = {"one_device": {}, "one_device_stagger": {"batch_split_stagger": True},
          "one_device_capacity": {"capacity_factor": 1.0}, "ep8": {},
-         "ep8_stagger": {"batch_split_stagger": True}}
+         "ep8_stagger": {"batch_split_stagger": True}, "ep8_remat": {"remat": "save_a2a"}}
 
 
 @pytest.mark.parametrize("case", list(CASES))
