@@ -3,9 +3,9 @@
 Model: tiny with 3 layers (dense, first MoE = a parallel block under FarSkip, MoE with two
 streams). Checks logits, the aux values (dropped fraction, sequence-wise balance losses: exact for
 equal chunks of whole sequences) and the gradients of mean(logits * W) + balance losses, on one
-device (both stagger variants, dropless and with a capacity) and on EP=8 host devices (both
-variants, and remat=save_a2a); that splitting and joining the batch moves no data between
-devices; and the config / batch-size errors.
+device (both stagger variants, dropless and with a capacity), on EP=8 host devices (both
+variants, and remat=save_a2a) and on DP=2 x EP=4; that splitting and joining the batch moves no
+data between devices; and the config / batch-size errors.
 """
 
 from __future__ import annotations
@@ -60,7 +60,9 @@ def _run(cfg, state, ids, w, mesh=None):
 
 CASES = {"one_device": {}, "one_device_stagger": {"batch_split_stagger": True},
          "one_device_capacity": {"capacity_factor": 1.0}, "ep8": {},
-         "ep8_stagger": {"batch_split_stagger": True}, "ep8_remat": {"remat": "save_a2a"}}
+         "ep8_stagger": {"batch_split_stagger": True}, "ep8_remat": {"remat": "save_a2a"},
+         "dp2xep4": {}}
+MESHES = {"ep8": MeshConfig(expert=8), "dp2xep4": MeshConfig(data=2, expert=4)}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -69,7 +71,7 @@ def test_batch_split_equals_unsplit(data, case, farskip):
     ids, w = data
     base = _cfg(farskip, **CASES[case])
     _, state = split(base)
-    mesh = make_mesh(MeshConfig(expert=8)) if case.startswith("ep8") else None
+    mesh = make_mesh(MESHES[case.split("_")[0]]) if not case.startswith("one_device") else None
     ref = _run(base, state, ids, w, mesh)
     got = _run(dataclasses.replace(base, batch_split=2), state, ids, w, mesh)
     errs = [max_abs_err(a, b) for a, b in zip(got, ref, strict=True)]
