@@ -107,7 +107,7 @@ class TrainProgram:
                                                                             cached_teacher=cached_teacher)
         teacher = spec.needs_teacher_model if with_teacher is None else with_teacher
         return make_eval_step(spec, self.student_graph, self.teacher_graph if teacher else None,
-                              self.parallel)
+                              self.parallel, self.shardings.compute)
 
     def init_state(self, params: nnx.State) -> dict[str, Any]:
         """The train state around placed student params: optimizer state created in its (ZeRO-1)

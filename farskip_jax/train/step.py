@@ -137,16 +137,18 @@ def micro_loss(spec: LossSpec, s_graph: nnx.GraphDef, s_params: nnx.State, t_gra
 class StepShardings:
     """Where the train step keeps each tree (NamedSharding trees shaped like the trees they place).
 
-    `params`: the parameters' layout (EP: experts split, the rest replicated); `grads`: the layout of
-    gradients and of the update arithmetic, equal to `params` without ZeRO-1 and split over the batch
-    devices with it (`farskip_jax.train.zero1`); `opt_state`: the optimizer state's layout, matching
-    `grads`; `scalar`: replicated scalars (step counters).
+    `compute`: the layout the model reads the parameters in (EP: experts split, the rest
+    replicated); `grads`: the layout of gradients and of the update arithmetic, equal to `compute`
+    without ZeRO-1 and split over the batch devices with it (`farskip_jax.train.zero1`); `params`:
+    where the state keeps the parameters between steps, the update's layout (`grads`);
+    `opt_state`: the optimizer state's layout, matching `grads`; `scalar`: replicated scalars.
     """
 
     params: Any
     grads: Any
     opt_state: Any
     scalar: Any
+    compute: Any
 
     @property
     def state(self) -> State:
@@ -164,19 +166,23 @@ def make_train_step(spec: LossSpec, s_graph: nnx.GraphDef, t_graph: nnx.GraphDef
     params and optimizer state untouched (a lax.cond around the whole update) and increments "skipped".
     `loss_scale` is 1.0 except in fault-injection tests (NaN poisons the gradient).
 
-    With `shardings`, every micro-batch's gradient is constrained to `shardings.grads`: under ZeRO-1
-    that layout is split over the batch devices, so XLA reduces the data-parallel gradient sum with a
-    reduce-scatter instead of an all-reduce, the AdamW arithmetic runs on 1/N of every replicated
-    weight per device, and the new parameters are all-gathered back to `shardings.params`.
+    With `shardings`, the step reads the parameters in `shardings.compute` and constrains every
+    micro-batch's gradient to `shardings.grads`. Under ZeRO-1 that layout is split over the batch
+    devices: XLA reduces the data-parallel gradient sum with a reduce-scatter instead of an
+    all-reduce, the AdamW arithmetic runs on 1/N of every replicated weight per device, and the
+    state keeps the new parameters split (`shardings.params`); the next step all-gathers them at its
+    start, where the forward pass can run under the all-gathers (a weight is needed only when its
+    layer comes), instead of at the end of this one, where nothing is left to run under them.
     """
     if shardings is None:
-        to_grad = to_param = lambda tree: tree
+        to_grad = to_param = to_compute = lambda tree: tree
     else:
         to_grad = lambda tree: jax.lax.with_sharding_constraint(tree, shardings.grads)
         to_param = lambda tree: jax.lax.with_sharding_constraint(tree, shardings.params)
+        to_compute = lambda tree: jax.lax.with_sharding_constraint(tree, shardings.compute)
 
     def step(state: State, t_params: nnx.State | None, batch: Batch, loss_scale: jax.Array):
-        params = state["params"]
+        params = to_compute(state["params"])
         num_micro = batch["input_ids"].shape[0]
         normalizer = jnp.maximum(jnp.sum(token_mask(spec, batch).astype(jnp.float32)), 1.0)
 
@@ -207,7 +213,6 @@ def make_train_step(spec: LossSpec, s_graph: nnx.GraphDef, t_graph: nnx.GraphDef
         def apply(p: nnx.State, opt_state: Any) -> tuple[nnx.State, Any]:
             local = to_grad(p)
             updates, new_opt = tx.update(to_grad(scaled(grads)), opt_state, local)
-            # Kept in the sharded layout here, all-gathered once outside the cond.
             return to_grad(optax.apply_updates(local, updates)), new_opt
 
         def keep(p: nnx.State, opt_state: Any) -> tuple[nnx.State, Any]:
@@ -216,7 +221,7 @@ def make_train_step(spec: LossSpec, s_graph: nnx.GraphDef, t_graph: nnx.GraphDef
         # A cond, not jnp.where(ok, new, old) per leaf: a select needs both the new and the old values
         # alive, so XLA copied the donated moments and materialised both branches (full-size temporaries
         # of every expert stack); under the cond only the taken branch runs, updating in place.
-        new_params, new_opt = jax.lax.cond(ok, apply, keep, params, state["opt_state"])
+        new_params, new_opt = jax.lax.cond(ok, apply, keep, state["params"], state["opt_state"])
         applied = jnp.asarray(state["step"] - state["skipped"], jnp.int32)
         new_state = {"params": to_param(new_params), "opt_state": new_opt,
                      "step": state["step"] + 1, "skipped": state["skipped"] + (~ok).astype(jnp.int32)}
@@ -237,11 +242,16 @@ def greedy_ids(hidden: jax.Array, head: jax.Array, chunk: int) -> jax.Array:
 
 
 def make_eval_step(spec: LossSpec, s_graph: nnx.GraphDef, t_graph: nnx.GraphDef | None,
-                   parallel: Any = None) -> Callable[..., dict[str, jax.Array]]:
+                   parallel: Any = None, param_layout: Any = None) -> Callable[..., dict[str, jax.Array]]:
     """`eval(params, teacher_params, batch[B, T]) -> sums`: loss sums, greedy next-token exact matches
-    against the data (`correct`) and, with a teacher, against the teacher's greedy token (`agree`)."""
+    against the data (`correct`) and, with a teacher, against the teacher's greedy token (`agree`).
+
+    `param_layout`: the shardings the model computes in (`StepShardings.compute`); the stored
+    parameters (ZeRO-1: split) are all-gathered into it first."""
 
     def ev(params: nnx.State, t_params: nnx.State | None, batch: Batch):
+        if param_layout is not None:
+            params = jax.lax.with_sharding_constraint(params, param_layout)
         mask = token_mask(spec, batch).astype(jnp.float32)
         ntok = jnp.sum(mask)
         _, m, fw = _micro(spec, s_graph, params, t_graph, t_params, batch, jnp.float32(1.0), 1.0, parallel)

@@ -5,7 +5,9 @@ replicated on all `data x expert` devices, and so would be its fp32 AdamW state 
 parameter, ~11 GB per device). ZeRO-1 keeps the weights replicated (attention needs them whole)
 but gives each batch device 1/N of every such weight's optimizer state and of its update: the
 gradient's data-parallel sum becomes a reduce-scatter (same bytes as the all-reduce it replaces,
-half of its two phases), AdamW runs on the local slice, and the new weights are all-gathered.
+half of its two phases), AdamW runs on the local slice, and the state keeps the new fp32 weights
+split the same way; each step all-gathers them at its start (`train.step.make_train_step`: the
+forward runs under those all-gathers, and the split master weights save 7/8 of their memory).
 Routed-expert weights are already split over `expert` and keep that layout.
 """
 
@@ -54,14 +56,15 @@ def grad_shardings(abstract_params: Any, shardings: Any, mesh: Mesh) -> Any:
 
 def step_shardings(abstract_params: Any, tx: optax.GradientTransformation, mesh: Mesh,
                    zero1: bool) -> StepShardings:
-    """Every layout of the train step's state: EP parameters, gradients and optimizer state (ZeRO-1
-    split when `zero1`, else the parameters' own layout), replicated scalars."""
-    params = param_shardings(abstract_params, mesh, "ep")
-    grads = grad_shardings(abstract_params, params, mesh) if zero1 else params
+    """Every layout of the train step: the EP layout the model computes in, and gradients, stored
+    parameters and optimizer state (ZeRO-1 split when `zero1`, else the EP layout), replicated
+    scalars."""
+    compute = param_shardings(abstract_params, mesh, "ep")
+    grads = grad_shardings(abstract_params, compute, mesh) if zero1 else compute
     replicated = NamedSharding(mesh, P())
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
     # Each copy of the parameter tree inside the optimizer state (Adam's mu and nu) takes the
     # gradients' layout; counters and other non-parameter leaves are replicated.
     opt = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, grads,
                                 transform_non_params=lambda _: replicated)
-    return StepShardings(params=params, grads=grads, opt_state=opt, scalar=replicated)
+    return StepShardings(params=grads, grads=grads, opt_state=opt, scalar=replicated, compute=compute)
