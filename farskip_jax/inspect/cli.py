@@ -226,8 +226,9 @@ def _build_parser() -> argparse.ArgumentParser:
                         "teacher's forward too, reported apart); prefill: TP inference forward")
     p.add_argument("--compare-regular", action="store_true",
                    help="also compile the same model with regular connectivity and compare")
-    p.add_argument("--seqs-per-device", type=int, default=1,
-                   help="train/fcsd: sequences per device per micro-batch, as in train.py")
+    p.add_argument("--seqs-per-device", type=int, default=None,
+                   help="train/fcsd: sequences per device per micro-batch (default: as train.py runs the "
+                        "config, data.batch_size over the mesh's data x expert devices)")
     p.add_argument("--batch", type=int, default=1, help="prefill: sequences (replicated over the TP group)")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
     p.add_argument("--moe-load", choices=("balanced", "static"), default="balanced",
@@ -248,6 +249,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from farskip_jax.config import load_config, parse_overrides
 
     cfg = load_config(args.config, parse_overrides(args.overrides))
+    if args.seqs_per_device is None:
+        batch_devices = args.mesh.get("data", 1) * args.mesh.get("expert", 1)
+        args.seqs_per_device = max(1, cfg.data.batch_size // batch_devices)
     if args.seqs_per_device < 1 or args.seq_len < 1 or args.batch < 1:
         raise UserError("--seqs-per-device, --seq-len and --batch must be positive")
     if args.modes in (None, "farskip,regular"):
@@ -273,7 +277,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         build = steps.build_prefill_step(cfg, args.batch, args.seq_len)
     print(f"inspect: {cfg.name} {args.mode} on {args.target}, mesh {mesh}, modes {args.modes}, "
-          f"seq_len {args.seq_len}, grouped GEMMs priced at {args.grouped_fill:.4g} of their rows "
+          f"{args.seqs_per_device if ep else args.batch} x {args.seq_len} tokens per device, "
+          f"grouped GEMMs priced at {args.grouped_fill:.4g} of their rows "
           f"(--moe-load {args.moe_load})")
     t0 = time.perf_counter()
     reports = run_inspect(args, build)

@@ -75,7 +75,8 @@ def test_mi300x_model_train_step_farskip_beats_regular(tmp_path: Path) -> None:
     env = {"HOME": os.environ.get("HOME", "/root"), "PATH": "/usr/bin:/bin"}
     cmd = [sys.executable, "-m", "farskip_jax", "inspect", "--config", "dsv2lite_farskip",
            "--set", "model.num_layers=3", "--set", "model.vocab_size=8192", "--set", "model.remat=none",
-           "--set", "model.ep_exchange=padded", "--seq-len", "1024", "--no-save-hlo", "--no-timeline",
+           "--set", "model.ep_exchange=padded", "--set", "model.batch_split=1",
+           "--seqs-per-device", "1", "--seq-len", "1024", "--no-save-hlo", "--no-timeline",
            "--target", "mi300x", "--mode", "train", "--compare-regular", "--out", str(out)]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
