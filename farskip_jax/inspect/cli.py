@@ -250,8 +250,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     cfg = load_config(args.config, parse_overrides(args.overrides))
     if args.seqs_per_device is None:
+        from farskip_jax.data.pipeline import DataConfig
+
         batch_devices = args.mesh.get("data", 1) * args.mesh.get("expert", 1)
-        args.seqs_per_device = max(1, cfg.data.batch_size // batch_devices)
+        per_process = int(cfg.data.get("batch_size", DataConfig.batch_size))
+        args.seqs_per_device = max(1, per_process // batch_devices)
     if args.seqs_per_device < 1 or args.seq_len < 1 or args.batch < 1:
         raise UserError("--seqs-per-device, --seq-len and --batch must be positive")
     if args.modes in (None, "farskip,regular"):
