@@ -208,9 +208,6 @@ class ModelConfig:
         if self.batch_split > 1 and self.layer_loop == "scan":
             raise ConfigError("model.batch_split > 1 needs model.layer_loop=unrolled (the chunks of "
                               "one layer interleave with those of the next)")
-        if self.batch_split > 1 and self.tp_microbatches > 1:
-            raise ConfigError("model.batch_split > 1 and model.tp_microbatches > 1 are exclusive "
-                              "(one chunking of the residual streams at a time)")
         fs = self.farskip
         if fs.stale_blocks not in (1, 2):
             raise ConfigError(f"model.farskip.stale_blocks must be 1 or 2, got {fs.stale_blocks}")

@@ -115,7 +115,6 @@ def test_batch_not_divisible(data):
 @pytest.mark.parametrize("overrides, message", [
     ({"batch_split": 0}, "batch_split must be > 0"),
     ({"batch_split": 2, "layer_loop": "scan"}, "batch_split > 1 needs model.layer_loop=unrolled"),
-    ({"batch_split": 2, "tp_microbatches": 2}, "batch_split > 1 and model.tp_microbatches > 1 are exclusive"),
 ])
 def test_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
