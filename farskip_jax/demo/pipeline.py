@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import shutil
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -142,6 +143,9 @@ def run_stage(name: str, cfg: Config, log: Callable[[str], None] = print) -> Sta
     log(f"--- {name}: train.mode={cfg.train.mode}, {cfg.train.total_steps} steps, "
         f"farskip={'on' if cfg.model.farskip.enabled else 'off'} -> {cfg.train.output_dir}")
     t0 = time.perf_counter()
+    # A stage always trains from scratch: what an earlier demo run left in its directory goes (the
+    # trainer refuses to start a fresh run over existing checkpoints).
+    shutil.rmtree(cfg.train.output_dir, ignore_errors=True)
     tr = trainer.Trainer(cfg)
     summary = tr.run()
     return Stage(name, cfg, tr.state["params"], summary, read_metrics(cfg.train.output_dir),

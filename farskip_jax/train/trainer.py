@@ -235,6 +235,11 @@ class Trainer:
         tc = self.cfg.train
         if resume:
             self.resume()
+        elif self.ckpt.steps():
+            # Otherwise the first save onto an existing step fails, possibly hours into the run.
+            raise UserError(f"{self.ckpt.directory} already holds checkpoints (steps {self.ckpt.steps()}); "
+                            "pass --resume to continue from the newest, or set train.output_dir to a new "
+                            "directory")
         kill_after = _env_steps("FARSKIP_TEST_KILL_AFTER_CHECKPOINT")
         nan_steps = _env_steps("FARSKIP_TEST_NAN_STEPS")
         mlog = MetricsLog(self.out, self.step)

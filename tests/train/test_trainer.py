@@ -71,6 +71,17 @@ def test_fcsd_lowers_kl(reference):
     assert s["best_checkpoint"] is not None and s["steps"] == STEPS
 
 
+def test_fresh_run_into_a_checkpointed_directory_refuses_at_start(reference, cfg_for):
+    """Without --resume, an output directory that holds checkpoints is an error before any step, not
+    a failed save onto an existing step at the end of the run."""
+    from farskip_jax.errors import UserError
+
+    tr = trainer_mod.Trainer(cfg_for(reference["out"]))
+    with pytest.raises(UserError, match="already holds checkpoints.*--resume"):
+        tr.run()
+    assert tr.step == 0
+
+
 def test_dropped_fractions_logged(reference):
     """Both models' dropped fraction every step, in metrics.jsonl and TensorBoard (dropless: 0.0)."""
     rows = [json.loads(x) for x in (reference["out"] / "metrics.jsonl").read_text().splitlines()]
