@@ -375,6 +375,10 @@ class TrainConfig:
     teacher_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     teacher_cache: str | None = None
     teacher_topk: int = 64
+    # FCSD: run the frozen teacher's forward layer by layer beside the student's (an optimization
+    # barrier joins their streams after every layer), so that XLA can schedule the teacher's
+    # all-to-alls under the student's compute. Scheduling only: the values are unchanged.
+    teacher_lockstep: bool = False
     learning_rate: float = 1e-5
     min_lr_ratio: float = 0.1
     warmup_steps: int = 1000

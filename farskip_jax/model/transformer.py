@@ -5,8 +5,10 @@ Shape legend: B batch, T tokens, D model width, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+from collections.abc import Generator
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -108,6 +110,16 @@ class Transformer(nnx.Module):
                  compute_logits: bool = True, layer_loop: str | None = None) -> ModelOutput:
         """`layer_loop` (default `cfg.layer_loop`) "scan": equal consecutive layers run under one
         `lax.scan` (`_scan_layers`)."""
+        return run_streams([self.stream(input_ids, positions, segment_ids, parallel=parallel,
+                                        compute_logits=compute_logits, layer_loop=layer_loop)], join=False)[0]
+
+    def stream(self, input_ids: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None, *, parallel: Parallelism | None = None,
+               compute_logits: bool = True, layer_loop: str | None = None
+               ) -> Generator[Any, Any, ModelOutput]:
+        """The forward pass as a generator: after each layer (group) it yields the residual stream
+        (x, y) and continues with the value sent back, and returns the ModelOutput (`run_streams`
+        drives one or several models)."""
         layer_loop = layer_loop or self.cfg.layer_loop
         if layer_loop not in ("unrolled", "scan"):
             raise ValueError(f"layer_loop={layer_loop!r}: expected 'unrolled' or 'scan'")
@@ -162,6 +174,7 @@ class Transformer(nnx.Module):
             for k, v in aux.items():
                 aux_sum[k] = aux_sum.get(k, 0.0) + v
             outputs.extend(xs)
+            x, y = yield x, y
         n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
         if "dropped_fraction" in aux_sum:
             aux_sum["dropped_fraction"] = aux_sum["dropped_fraction"] / max(n_moe, 1)
@@ -179,6 +192,42 @@ class Transformer(nnx.Module):
         with jax.named_scope("lm_head"):
             w = self.head_weights().astype(hidden_btd.dtype)
             return jnp.dot(hidden_btd, w, preferred_element_type=jnp.float32)
+
+
+def run_streams(streams: list[Generator[Any, Any, ModelOutput]], join: bool = True,
+                scopes: list[str | None] | None = None) -> list[ModelOutput]:
+    """Runs the forward passes `streams` (`Transformer.stream`, equal layer counts) side by side.
+
+    With `join`, after every layer the models' residual streams pass one XLA optimization barrier
+    together: layer i+1 of either model starts only once layer i of both exists, so XLA's scheduler
+    sees the two models' layer i at the same time and can run one model's collectives under the
+    other's compute (FCSD: the frozen teacher's all-to-alls under the student's layer; two
+    independent forwards are otherwise scheduled far apart). The values are unchanged. `scopes`:
+    a `jax.named_scope` per stream, entered around each of its steps (a scope entered inside a
+    generator would stay open while the other streams run).
+    """
+    scopes = scopes or [None] * len(streams)
+
+    def step(k: int, value: Any = None, first: bool = False) -> Any:
+        with jax.named_scope(scopes[k]) if scopes[k] else contextlib.nullcontext():
+            return next(streams[k]) if first else streams[k].send(value)
+
+    outs: list[Any] = [None] * len(streams)
+    states = [step(k, first=True) for k in range(len(streams))]
+    while True:
+        if join and len(states) > 1:
+            states = list(jax.lax.optimization_barrier(states))
+        moved = []
+        for k, st in enumerate(states):
+            try:
+                moved.append(step(k, st))
+            except StopIteration as done:
+                outs[k] = done.value
+        if not moved:
+            return outs
+        if len(moved) != len(streams):
+            raise ValueError("run_streams: the models have different numbers of layers")
+        states = moved
 
 
 def _concat(chunks: list[jax.Array]) -> jax.Array:

@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from farskip_jax.config import TrainConfig
+from farskip_jax.model.transformer import run_streams
 from farskip_jax.parallel.mesh import BATCH_AXES
 from farskip_jax.train import losses
 from farskip_jax.train.chunking import chunked_map, lm_logits
@@ -49,11 +50,12 @@ class LossSpec:
     chunk_tokens: int
     aux_loss: bool
     cached_teacher: bool
+    teacher_lockstep: bool = False
 
     @classmethod
     def from_train(cls, tc: TrainConfig, cached_teacher: bool) -> LossSpec:
         return cls(tc.mode, tc.kl_temperature, tc.hidden_l2_weight, tc.kl_chunk_tokens, tc.aux_loss,
-                   cached_teacher)
+                   cached_teacher, tc.teacher_lockstep)
 
     @property
     def needs_teacher_model(self) -> bool:
@@ -74,6 +76,18 @@ def _forward(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, parallel: 
     return out, model.head_weights()
 
 
+def _forward_lockstep(s_graph: nnx.GraphDef, s_params: nnx.State, t_graph: nnx.GraphDef,
+                      t_params: nnx.State, batch: Batch, parallel: Any):
+    """Student and teacher forwards layer by layer (`transformer.run_streams`): the same values as
+    two `_forward`s, scheduled so that the teacher's collectives can run under the student's layer."""
+    s_model, t_model = nnx.merge(s_graph, s_params), nnx.merge(t_graph, t_params)
+    args = (batch["input_ids"], batch["positions"], batch["segment_ids"])
+    kw = {"parallel": parallel, "compute_logits": False}
+    s_out, t_out = run_streams([s_model.stream(*args, **kw), t_model.stream(*args, **kw)],
+                               scopes=[None, "teacher"])
+    return s_out, s_model.head_weights(), t_out, t_model.head_weights()
+
+
 def _dropped(out: Any) -> jax.Array:
     return jnp.asarray(out.aux.get("dropped_fraction", 0.0), jnp.float32)
 
@@ -89,8 +103,13 @@ def _micro(spec: LossSpec, s_graph: nnx.GraphDef, s_params: nnx.State, t_graph: 
            t_params: nnx.State | None, batch: Batch, normalizer: jax.Array, aux_scale: float,
            parallel: Any) -> tuple[jax.Array, dict[str, jax.Array], _Forwards]:
     mask = token_mask(spec, batch)
-    s_out, s_head = _forward(s_graph, s_params, batch, parallel)
-    t_out = t_head = None
+    lockstep = spec.teacher_lockstep and spec.needs_teacher_model
+    if lockstep:
+        s_out, s_head, t_out, t_head = _forward_lockstep(s_graph, s_params, t_graph,
+                                                         jax.lax.stop_gradient(t_params), batch, parallel)
+    else:
+        s_out, s_head = _forward(s_graph, s_params, batch, parallel)
+        t_out = t_head = None
     zero = jnp.zeros((), jnp.float32)
     m = {k: zero for k in _SUM_KEYS}
     m["student_dropped_fraction"] = _dropped(s_out)
@@ -101,9 +120,10 @@ def _micro(spec: LossSpec, s_graph: nnx.GraphDef, s_params: nnx.State, t_graph: 
                                               spec.chunk_tokens)
             m["teacher_topk_mass_sum"] = lm["teacher_topk_mass"] * lm["num_tokens"]
         else:
-            # The scope lets the HLO inspector report the teacher's collectives apart from the student's.
-            with jax.named_scope("teacher"):
-                t_out, t_head = _forward(t_graph, jax.lax.stop_gradient(t_params), batch, parallel)
+            if not lockstep:
+                # The scope lets the HLO inspector report the teacher's collectives apart.
+                with jax.named_scope("teacher"):
+                    t_out, t_head = _forward(t_graph, jax.lax.stop_gradient(t_params), batch, parallel)
             m["teacher_dropped_fraction"] = _dropped(t_out)
             loss, lm = losses.chunked_forward_kl(t_out.hidden, t_head, s_out.hidden, s_head, mask,
                                                  spec.temperature, normalizer, spec.chunk_tokens)
