@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
-from par_common import count_ops, max_abs_err, run_fast, split, tiny  # noqa: E402
+from par_common import count_ops, ids_and_weights, max_abs_err, run_fast, split, tiny  # noqa: E402
 
 from farskip_jax.config import ConfigError, MeshConfig  # noqa: E402
 from farskip_jax.model.transformer import _join_batch, _split_batch  # noqa: E402
@@ -36,10 +36,7 @@ def _cfg(farskip: bool, **overrides):
 
 @pytest.fixture(scope="module")
 def data():
-    cfg = _cfg(False)
-    ids = jax.random.randint(jax.random.key(1), (B, T), 0, cfg.vocab_size)
-    w = jax.random.normal(jax.random.key(2), (B, T, cfg.vocab_size))
-    return ids, w
+    return ids_and_weights(_cfg(False), B, T)
 
 
 def _run(cfg, state, ids, w, mesh=None):

@@ -27,6 +27,12 @@ def tiny(farskip: bool, **overrides: Any) -> ModelConfig:
     return with_farskip(cfg, enabled=farskip)
 
 
+def ids_and_weights(cfg: ModelConfig, b: int, t: int) -> tuple[jax.Array, jax.Array]:
+    """Random token ids [b, t] and per-logit loss weights [b, t, vocab] (fixed keys 1 and 2)."""
+    ids = jax.random.randint(jax.random.key(1), (b, t), 0, cfg.vocab_size)
+    return ids, jax.random.normal(jax.random.key(2), (b, t, cfg.vocab_size))
+
+
 def split(cfg: ModelConfig, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
     return nnx.split(build_model(cfg, seed=seed), nnx.Param)
 

@@ -19,7 +19,15 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from par_common import emulated_ragged_all_to_all, max_abs_err, record, run_fast, split, tiny
+from par_common import (
+    emulated_ragged_all_to_all,
+    ids_and_weights,
+    max_abs_err,
+    record,
+    run_fast,
+    split,
+    tiny,
+)
 
 from farskip_jax.config import MeshConfig
 from farskip_jax.parallel import ExpertParallel, batch_sharding, make_mesh, place, tp_forward
@@ -36,10 +44,7 @@ def _cfg(farskip: bool):
 
 @pytest.fixture(scope="module")
 def data():
-    cfg = _cfg(False)
-    ids = jax.random.randint(jax.random.key(1), (B, T), 0, cfg.vocab_size)
-    w = jax.random.normal(jax.random.key(2), (B, T, cfg.vocab_size))
-    return ids, w
+    return ids_and_weights(_cfg(False), B, T)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["regular", "farskip"])
