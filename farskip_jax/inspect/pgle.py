@@ -136,7 +136,8 @@ def instruction_cost_us(an: Any, comp: Computation, ins: Instr, done: Instr | No
             return None  # PGLE costs start/done ops at a fixed 1 unit and never looks them up
         carrier = _wrapped(mod, ins) if ins.opcode == "async-start" else ins
         carrier = carrier or ins
-        nbytes = hlo.collective_bytes(comp, carrier, done, kind)
+        # operands looked up on `ins`: a wrapped op's operands live in its async computation
+        nbytes = hlo.collective_bytes(comp, ins, done, kind)
         n = hlo.group_size(carrier, mod.num_partitions)
         return hlo.transfer_time_us(kind, nbytes, n, hw)
     if ins.opcode == "async-start":  # compute moved to another stream: its wrapped computation

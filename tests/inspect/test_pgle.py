@@ -391,6 +391,37 @@ def test_grouped_gemm_priced_at_fill_and_ragged_exchange_at_rows_sent() -> None:
         pgle.profile_costs(_EP_HLO, "mi300x", grouped_fill=0.0)
 
 
+# The same exchange as XLA hands it to the scheduler: wrapped in an async-start whose computation's
+# parameters (not the entry's instructions) are the wrapped op's operands.
+_EP_ASYNC_HLO = "\n".join([
+    "HloModule jit_ep, is_scheduled=true, num_partitions=8, "
+    f'frontend_attributes={{fingerprint_before_lhs="{_FP}"}}',
+    "",
+    "%async_ragged (p0: bf16[1024,2048], p1: bf16[8192,2048], p2: s64[8]) -> bf16[8192,2048] {",
+    "  %p0 = bf16[1024,2048]{1,0} parameter(0)",
+    "  %p1 = bf16[8192,2048]{1,0} parameter(1)",
+    "  %p2 = s64[8]{0} parameter(2)",
+    "  ROOT %ragged-all-to-all.1 = bf16[8192,2048]{1,0} ragged-all-to-all(%p0, %p1, %p2, %p2, %p2, %p2), "
+    "channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}",
+    "}",
+    "",
+    "ENTRY %main (x: bf16[1024,2048], buf: bf16[8192,2048], o: s64[8]) -> bf16[8192,2048] {",
+    "  %x = bf16[1024,2048]{1,0} parameter(0)",
+    "  %buf = bf16[8192,2048]{1,0} parameter(1)",
+    "  %o = s64[8]{0} parameter(2)",
+    "  %ragged-start = ((bf16[1024,2048]{1,0}, bf16[8192,2048]{1,0}, s64[8]{0}), bf16[8192,2048]{1,0}) "
+    "async-start(%x, %buf, %o), calls=%async_ragged",
+    "  ROOT %ragged-done = bf16[8192,2048]{1,0} async-done(%ragged-start)",
+    "}",
+    "",
+])
+
+
+def test_wrapped_ragged_exchange_priced_at_rows_sent() -> None:
+    sent = hlo.transfer_time_us("ragged-all-to-all", 1024 * 2048 * 2, 8, hlo.HARDWARE["mi300x"])
+    assert pgle.profile_costs(_EP_ASYNC_HLO, "mi300x")["ragged-start"] == pytest.approx(sent)
+
+
 def test_balanced_fill_of_the_dsv2lite_buffers() -> None:
     import dataclasses
 
