@@ -71,7 +71,7 @@ class ParamsReader:
     """Reads one parameter group at a time as numpy arrays in their stored dtype."""
 
     def __init__(self, path: str | Path, **overrides: Any):
-        self.path = Path(path).absolute()  # Orbax reads metadata wrongly from relative paths
+        self.path = Path(path)
         if is_orbax_checkpoint(self.path):
             self.kind = "converted"
             marker = read_marker(self.path)
