@@ -153,14 +153,21 @@ def trainer_step_dir(path: str | Path) -> Path | None:
     return p / str(steps[-1]) if steps else None
 
 
+def saved_tree_metadata(directory: str | Path) -> Any:
+    """The nested metadata (shapes, dtypes) of the Orbax PyTree saved at `directory`. The path is made
+    absolute: Orbax reads no item metadata through a relative one (it then names no leaf at all)."""
+    import orbax.checkpoint as ocp
+
+    meta = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(Path(directory).absolute())
+    tree = getattr(meta, "item_metadata", meta)
+    return getattr(tree, "tree", tree)
+
+
 def restore_trainer_params(step_dir: Path, target: dict) -> dict:
     """The "params" item of a trainer checkpoint step into `target` (a pure dict of ShapeDtypeStructs
     with shardings and dtypes), with every missing or mis-shaped parameter named."""
-    import orbax.checkpoint as ocp
 
-    meta = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(step_dir / "params")
-    tree = getattr(meta, "item_metadata", meta)
-    tree = getattr(tree, "tree", tree)
+    tree = saved_tree_metadata(step_dir / "params")
     problems = []
     for keys, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
         path = tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in keys)

@@ -46,6 +46,7 @@ from farskip_jax.checkpoint.orbax_io import (
     read_marker,
     restore_group,
     restore_tree,
+    saved_tree_metadata,
 )
 from farskip_jax.config import ConfigError, ModelConfig, from_dict, override
 
@@ -88,11 +89,7 @@ class ParamsReader:
                                   "checkpoint step (params/ and meta/ items)")
 
     def _trainer_dtype(self) -> str:
-        import orbax.checkpoint as ocp
-
-        meta = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(self.path / "params")
-        tree = getattr(meta, "item_metadata", meta)
-        tree = getattr(tree, "tree", tree)
+        tree = saved_tree_metadata(self.path / "params")
         problems, dtypes = [], set()
         for s in param_specs(self.cfg):
             try:

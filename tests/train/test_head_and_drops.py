@@ -68,8 +68,10 @@ def test_teacher_is_dropless_and_drops_are_reported():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_init_checkpoint_loads_into_program_layout(tmp_path, dtype):
-    """A trainer checkpoint used as train.init_checkpoint comes back in the student's layout."""
+def test_init_checkpoint_loads_into_program_layout(tmp_path, monkeypatch, dtype):
+    """A trainer checkpoint used as train.init_checkpoint comes back in the student's layout, also
+    through a relative path (`make demo` passes runs/tiny_demo/teacher/checkpoints; Orbax reads no
+    item metadata through a relative path)."""
     from farskip_jax.checkpoint.manager import CheckpointManager
 
     cfg = load_config("tiny_farskip", {"train.teacher_dtype": dtype})
@@ -79,8 +81,8 @@ def test_init_checkpoint_loads_into_program_layout(tmp_path, dtype):
     mngr.save(5, nnx.to_pure_dict(models.student_params), {"count": np.zeros((), np.int32)},
               {"step": 5})
     mngr.close()
-    cfg2 = load_config("tiny_farskip", {"train.teacher_dtype": dtype,
-                                        "train.init_checkpoint": str(tmp_path / "ckpt")})
+    monkeypatch.chdir(tmp_path)
+    cfg2 = load_config("tiny_farskip", {"train.teacher_dtype": dtype, "train.init_checkpoint": "ckpt"})
     again = setup.build_models(cfg2, prog)
     for a, b in zip(jax.tree.leaves(models.student_params), jax.tree.leaves(again.student_params),
                     strict=True):
