@@ -158,15 +158,15 @@ def saved_tree_metadata(directory: str | Path) -> Any:
     absolute: Orbax reads no item metadata through a relative one (it then names no leaf at all)."""
     import orbax.checkpoint as ocp
 
-    meta = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(Path(directory).absolute())
-    tree = getattr(meta, "item_metadata", meta)
-    return getattr(tree, "tree", tree)
+    # The handler, not a Checkpointer: a Checkpointer also looks for step metadata in the item's
+    # directory, where a trainer checkpoint has none, and logs a warning about it.
+    meta = ocp.PyTreeCheckpointHandler().metadata(Path(directory).absolute())
+    return getattr(meta, "tree", meta)
 
 
 def restore_trainer_params(step_dir: Path, target: dict) -> dict:
     """The "params" item of a trainer checkpoint step into `target` (a pure dict of ShapeDtypeStructs
     with shardings and dtypes), with every missing or mis-shaped parameter named."""
-
     tree = saved_tree_metadata(step_dir / "params")
     problems = []
     for keys, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
