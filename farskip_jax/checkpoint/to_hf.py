@@ -7,6 +7,9 @@ pure dict (the same tree as `nnx.to_pure_dict(nnx.state(model, nnx.Param))`) sav
 Orbax PyTree, and item "meta" is a JSON item whose `model_config` (or `model`, or `config.model`)
 holds our ModelConfig as a dict (an HF config.json dict is accepted as well). Only "params" is read.
 
+A FarSkip model is exported with `modeling_farskip_deepseek_v2.py` (this package's remote code for
+transformers) registered in config.json, so that transformers runs FarSkip with trust_remote_code.
+
 Host memory stays bounded by one group (a layer's experts): every parameter group is restored on
 its own (a partial restore for training checkpoints), and shards are plain files whose header is
 computed up front from the planned tensor list, so each tensor is appended as soon as it exists.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import struct
 import time
 from collections.abc import Callable
@@ -236,10 +240,30 @@ def convert_orbax_to_hf(input_dir: str | Path, output_dir: str | Path, *, dtype:
         if n > 1:
             (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                 indent=2) + "\n")
-        (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+        hf_config = cfg.to_hf_dict()
+        if hf_config["farskip"]:
+            hf_config.update(REMOTE_CODE_CONFIG)
+            shutil.copyfile(REMOTE_CODE, tmp / REMOTE_CODE.name)
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     summary.bytes, summary.seconds = total, time.perf_counter() - t0
     log(summary.line(f"wrote {out} ({n} shard(s)):"))
+    if hf_config["farskip"]:
+        first, last = hf_config["farskip_start_idx"], hf_config["farskip_end_idx"]
+        log(f"warning: FarSkip model (layers {first}..{last}): "
+            f"load it with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True), "
+            f"which runs {REMOTE_CODE.name}; without trust_remote_code transformers builds the stock "
+            "DeepseekV2ForCausalLM, which ignores the FarSkip keys and runs regular connectivity "
+            "(a different model)")
     return summary
+
+
+# The modeling file copied into every FarSkip export, and the config.json keys that register it, so
+# that transformers' Auto classes build the FarSkip model (with trust_remote_code=True).
+REMOTE_CODE = Path(__file__).with_name("modeling_farskip_deepseek_v2.py")
+REMOTE_CODE_CONFIG = {
+    "architectures": ["FarSkipDeepseekV2ForCausalLM"],
+    "auto_map": {"AutoModelForCausalLM": f"{REMOTE_CODE.stem}.FarSkipDeepseekV2ForCausalLM"},
+}
 
 
 def _print_plan(log, specs: list[ParamSpec], stored: str, out_dtype: str, shards: list[list[Entry]],

@@ -212,6 +212,52 @@ def test_training_checkpoint_to_hf(orbax_dir, hf_dir, tmp_path):
     _same_tensors(_tensors(hf_dir), _tensors(out))
 
 
+FARSKIP_EXPORTS = {
+    # Layer 0 is dense: "all" puts a dense layer in the range, "1:1" a regular layer after a FarSkip one.
+    "all": {"farskip.enabled": True},
+    "range_1_1": {"farskip.enabled": True, "farskip.start_idx": 1, "farskip.end_idx": 1},
+    "attn_only": {"farskip.enabled": True, "farskip.attn_only": True},
+    "mlp_only": {"farskip.enabled": True, "farskip.mlp_only": True},
+}
+
+
+@pytest.mark.parametrize("name", sorted(FARSKIP_EXPORTS))
+def test_farskip_export_runs_farskip_in_transformers(name, orbax_dir, hf_logits, tmp_path, monkeypatch):
+    """An exported FarSkip model carries its modeling file: transformers with trust_remote_code runs
+    FarSkip (logits equal ours), while the stock class on the same directory runs the regular model."""
+    from farskip_jax.checkpoint.to_hf import convert_orbax_to_hf
+
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
+    out = tmp_path / "hf"
+    lines: list[str] = []
+    convert_orbax_to_hf(orbax_dir, out, overrides=FARSKIP_EXPORTS[name], progress=False, log=lines.append)
+    assert any("trust_remote_code=True" in ln for ln in lines), lines
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["auto_map"]["AutoModelForCausalLM"].startswith("modeling_farskip_deepseek_v2.")
+    assert (out / "modeling_farskip_deepseek_v2.py").is_file()
+
+    ours = _our_logits(from_pretrained(out))  # reads the FarSkip keys of the exported config.json
+    remote = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    assert type(remote).__name__ == "FarSkipDeepseekV2ForCausalLM"
+    theirs = _hf_logits(remote)
+    err = float(np.max(np.abs(theirs - ours)))
+    print(f"{name}: max |HF remote code - ours| = {err:.2e}; FarSkip vs regular "
+          f"{float(np.max(np.abs(theirs - hf_logits))):.2e}")
+    assert err <= 1e-4  # fp32; the regular model's HF parity bound in this module
+    assert np.max(np.abs(theirs - hf_logits)) > 1e-2  # FarSkip really is another function
+
+    stock = transformers.DeepseekV2ForCausalLM.from_pretrained(out).eval()
+    np.testing.assert_allclose(_hf_logits(stock), hf_logits, atol=1e-5)  # the trap the note warns of
+
+
+def test_regular_export_has_no_remote_code(orbax_dir, tmp_path):
+    out = tmp_path / "hf"
+    assert cli(["--to-hf", "--input", str(orbax_dir), "--output", str(out), "--no-progress"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DeepseekV2ForCausalLM"] and "auto_map" not in cfg
+    assert not (out / "modeling_farskip_deepseek_v2.py").exists()
+
+
 # --------------------------------------------------------------------------------------------
 # Validation: each error names the file and the tensor
 
