@@ -7,6 +7,8 @@ K = qk_nope + qk_rope head dim, N qk_nope, R qk_rope, V v head dim, C kv_lora_ra
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -56,6 +58,26 @@ def attention_core(q_bthk: jax.Array, k_bshk: jax.Array, v_bshv: jax.Array, segm
     return blockwise_attention(q_bthk, k_bshk, v_bshv, segment_ids_bt, scale, block_q, block_kv)
 
 
+class LatentCache(NamedTuple):
+    """One layer's inference cache: what MLA needs of every past token, 576 values per token for
+    DeepSeek-V2-Lite (per-head keys and values would be 16 x 320). Per token, not per head, so
+    under tensor parallelism every rank holds all of it (the batch axis may be split)."""
+
+    latent: jax.Array  # [B, S, C] the kv latent after kv_a_layernorm
+    k_rope: jax.Array  # [B, S, R] the shared rope key, rotated
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, batch: int, slots: int, dtype: jnp.dtype) -> LatentCache:
+        return cls(jnp.zeros((batch, slots, cfg.kv_lora_rank), dtype),
+                   jnp.zeros((batch, slots, cfg.qk_rope_head_dim), dtype))
+
+    def write(self, latent_btc: jax.Array, k_rope_btr: jax.Array, positions_bt: jax.Array) -> LatentCache:
+        """This cache with token t of row b stored in slot positions_bt[b, t]."""
+        rows = jnp.arange(positions_bt.shape[0])[:, None]
+        return LatentCache(self.latent.at[rows, positions_bt].set(latent_btc.astype(self.latent.dtype)),
+                           self.k_rope.at[rows, positions_bt].set(k_rope_btr.astype(self.k_rope.dtype)))
+
+
 # DeepSeek's code (and HF's port) builds the two latent norms with eps 1e-6 whatever the config says.
 LATENT_NORM_EPS = 1e-6
 
@@ -76,28 +98,71 @@ class MLAttention(nnx.Module):
         self.o_proj = normal_init(rngs, (h, cfg.v_head_dim, d), pd)
         self.cfg = cfg
 
-    def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array) -> jax.Array:
-        """Returns the attention output [B, T, D] (a partial sum over heads under TP)."""
+    def _project(self, x_btd: jax.Array, positions_bt: jax.Array
+                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """(q_nope [B, T, H, N], q_rope [B, T, H, R] rotated, latent [B, T, C] normed, k_rope [B, T, R]
+        rotated): everything a token contributes before the heads' keys and values are expanded."""
         cfg, dt = self.cfg, x_btd.dtype
         n, c = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        if cfg.q_lora_rank is None:
+            q = jnp.einsum("btd,dhk->bthk", x_btd, self.q_proj[...].astype(dt))
+        else:
+            q_lat = self.q_a_norm(x_btd @ self.q_a_proj[...].astype(dt))
+            q = jnp.einsum("btq,qhk->bthk", q_lat, self.q_b_proj[...].astype(dt))
+        kv_a = x_btd @ self.kv_a_proj[...].astype(dt)
+        inv_freq, magnitude = rope_tables(cfg)
+        q_rope = apply_rope(q[..., n:], positions_bt, inv_freq, magnitude)
+        k_rope = apply_rope(kv_a[..., c:], positions_bt, inv_freq, magnitude)  # one head, shared
+        return q[..., :n], q_rope, self.kv_a_norm(kv_a[..., :c]), k_rope
+
+    def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array,
+                 cache: LatentCache | None = None) -> jax.Array | tuple[jax.Array, LatentCache]:
+        """Returns the attention output [B, T, D] (a partial sum over heads under TP).
+
+        With `cache` (inference prefill: the prompt, one causal segment per row), also returns the
+        cache with this call's latents written at `positions_bt`."""
+        cfg, dt = self.cfg, x_btd.dtype
+        n = cfg.qk_nope_head_dim
         with jax.named_scope("qkv_proj"):
-            if cfg.q_lora_rank is None:
-                q = jnp.einsum("btd,dhk->bthk", x_btd, self.q_proj[...].astype(dt))
-            else:
-                q_lat = self.q_a_norm(x_btd @ self.q_a_proj[...].astype(dt))
-                q = jnp.einsum("btq,qhk->bthk", q_lat, self.q_b_proj[...].astype(dt))
-            kv_a = x_btd @ self.kv_a_proj[...].astype(dt)
-            kv_lat, k_rope = self.kv_a_norm(kv_a[..., :c]), kv_a[..., c:]
+            q_nope, q_rope, kv_lat, k_rope = self._project(x_btd, positions_bt)
             kv = jnp.einsum("btc,chk->bthk", kv_lat, self.kv_b_proj[...].astype(dt))
             k_nope, v = kv[..., :n], kv[..., n:]
-            inv_freq, magnitude = rope_tables(cfg)
-            q_rope = apply_rope(q[..., n:], positions_bt, inv_freq, magnitude)
-            k_rope = apply_rope(k_rope, positions_bt, inv_freq, magnitude)  # one head, shared
-            q = jnp.concatenate([q[..., :n], q_rope], axis=-1)
-            k_rope = jnp.broadcast_to(k_rope[:, :, None], k_nope.shape[:3] + k_rope.shape[-1:])
-            k = jnp.concatenate([k_nope, k_rope], axis=-1)
+            q = jnp.concatenate([q_nope, q_rope], axis=-1)
+            k_heads = jnp.broadcast_to(k_rope[:, :, None], k_nope.shape[:3] + k_rope.shape[-1:])
+            k = jnp.concatenate([k_nope, k_heads], axis=-1)
         with jax.named_scope("core"):
             out = attention_core(q, k, v, segment_ids_bt, softmax_scale(cfg), cfg.attention,
                                  cfg.attention_block_q, cfg.attention_block_kv)
         with jax.named_scope("o_proj"):
-            return jnp.einsum("bthv,hvd->btd", out, self.o_proj[...].astype(dt))
+            out = jnp.einsum("bthv,hvd->btd", out, self.o_proj[...].astype(dt))
+        return out if cache is None else (out, cache.write(kv_lat, k_rope, positions_bt))
+
+    def decode(self, x_btd: jax.Array, positions_bt: jax.Array, cache: LatentCache
+               ) -> tuple[jax.Array, LatentCache]:
+        """Attention of new tokens at `positions_bt` over the cache (which they are first written
+        into), with the absorbed projections of DeepSeek-V2: the key expansion W_UK is folded into
+        the query and the value expansion W_UV applied after the softmax, so the per-head keys and
+        values of the cached tokens are never formed. Row b attends to cache slots <= its position:
+        anything in later slots (a right-padded prompt's padding) is never read and is overwritten
+        as that row grows. Returns ([B, T, D] output, updated cache)."""
+        cfg, dt = self.cfg, x_btd.dtype
+        n = cfg.qk_nope_head_dim
+        w_uk = self.kv_b_proj[..., :n].astype(dt)  # [C, H, N]
+        w_uv = self.kv_b_proj[..., n:].astype(dt)  # [C, H, V]
+        with jax.named_scope("qkv_proj"):
+            q_nope, q_rope, kv_lat, k_rope = self._project(x_btd, positions_bt)
+            cache = cache.write(kv_lat, k_rope, positions_bt)
+            q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk)
+        with jax.named_scope("core"):
+            latent, rope = cache.latent.astype(dt), cache.k_rope.astype(dt)
+            scores = (jnp.einsum("bthc,bsc->bhts", q_lat, latent, preferred_element_type=jnp.float32)
+                      + jnp.einsum("bthr,bsr->bhts", q_rope, rope, preferred_element_type=jnp.float32))
+            scores = scores * softmax_scale(cfg)
+            slots = jnp.arange(latent.shape[1], dtype=positions_bt.dtype)
+            visible = slots[None, None, :] <= positions_bt[:, :, None]  # [B, T, S]
+            scores = jnp.where(visible[:, None], scores, jnp.finfo(jnp.float32).min)
+            probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+            ctx = jnp.einsum("bhts,bsc->bthc", probs, latent)
+            out = jnp.einsum("bthc,chv->bthv", ctx, w_uv)
+        with jax.named_scope("o_proj"):
+            return jnp.einsum("bthv,hvd->btd", out, self.o_proj[...].astype(dt)), cache

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from farskip_jax.config import ModelConfig
-from farskip_jax.model.attention import MLAttention
+from farskip_jax.model.attention import LatentCache, MLAttention
 from farskip_jax.model.dispatch import A2A_COUNTS, A2A_NAMES
 from farskip_jax.model.farskip import (
     Connectivity,
@@ -65,14 +65,7 @@ class DecoderLayer(nnx.Module):
                     return self.attn(self.input_norm(h), positions, segment_ids)
             return attn
 
-        def ffn(h):
-            h = self.post_attn_norm(h)
-            if self.is_moe:
-                shared, routed, aux = self.moe(h, routed_fn)
-                return FFNOut(shared, routed, aux)
-            with jax.named_scope("mlp"):
-                return FFNOut(None, self.mlp(h), {})
-
+        ffn = functools.partial(self._ffn, routed_fn=routed_fn)
         if isinstance(positions, list):
             attns = [attention(p, s) for p, s in zip(positions, segment_ids, strict=True)]
             return residual_step_chunks(x, y, conn, self.is_moe, attns, ffn, reduce,
@@ -82,6 +75,36 @@ class DecoderLayer(nnx.Module):
             return residual_step_chunks(x, y, conn, self.is_moe, attn, ffn, reduce,
                                         staggered=self.tp_order_barriers and reduce is not None)
         return residual_step(x, y, conn, self.is_moe, attn, ffn, reduce)
+
+    def _ffn(self, h: jax.Array, routed_fn: RoutedFn) -> FFNOut:
+        h = self.post_attn_norm(h)
+        if self.is_moe:
+            shared, routed, aux = self.moe(h, routed_fn)
+            return FFNOut(shared, routed, aux)
+        with jax.named_scope("mlp"):
+            return FFNOut(None, self.mlp(h), {})
+
+    def cached(self, x: jax.Array, y: Stale, positions: jax.Array, cache: LatentCache, conn: Connectivity,
+               routed_fn: RoutedFn, reduce: ReduceFn | None, prefill: bool
+               ) -> tuple[jax.Array, Stale, LatentCache]:
+        """(x', y', cache'): this layer at inference, reading and extending its latent cache. Prefill
+        (the prompts, one causal segment per row) runs the training attention, decode the absorbed
+        one; the residual wiring, FarSkip's included, is `residual_step` as everywhere."""
+        written: list[LatentCache] = []
+
+        def attn(h: jax.Array) -> jax.Array:
+            with jax.named_scope("attention"):
+                h = self.input_norm(h)
+                if prefill:
+                    out, new = self.attn(h, positions, jnp.ones_like(positions), cache)
+                else:
+                    out, new = self.attn.decode(h, positions, cache)
+            written.append(new)
+            return out
+
+        x, y, _ = residual_step(x, y, conn, self.is_moe, attn,
+                                functools.partial(self._ffn, routed_fn=routed_fn), reduce)
+        return x, y, written[0]
 
 
 class ModelOutput(NamedTuple):
@@ -183,6 +206,25 @@ class Transformer(nnx.Module):
         hidden = self.final_norm(x)  # the final norm reads x; y is dropped
         logits = self.logits(hidden) if compute_logits else None
         return ModelOutput(logits, hidden, aux_sum, tuple(outputs))
+
+    def cached_forward(self, input_ids: jax.Array, positions: jax.Array, caches: tuple[LatentCache, ...],
+                       *, prefill: bool, parallel: Parallelism | None = None
+                       ) -> tuple[jax.Array, tuple[LatentCache, ...]]:
+        """Inference over per-layer latent caches: (final-normed hidden [B, T, D], updated caches).
+        `prefill`: `input_ids` [B, T] are the prompts (right-padded rows: the padding is written to
+        the cache but never attended to); otherwise each row's new tokens at `positions`."""
+        cfg = self.cfg
+        routed_fn = parallel.routed_fn if parallel is not None else local_routed
+        reduce = parallel.reduce if parallel is not None else None
+        x = jnp.take(self.embed[...], input_ids, axis=0).astype(DTYPES[cfg.dtype])
+        y: Stale = None
+        new_caches = []
+        for i, conn in enumerate(self.connectivity()):
+            with jax.named_scope(f"layer_{i}"):
+                x, y, cache = self.layers[i].cached(x, y, positions, caches[i], conn, routed_fn, reduce,
+                                                    prefill)
+            new_caches.append(cache)
+        return self.final_norm(x), tuple(new_caches)
 
     def head_weights(self) -> jax.Array:
         """The [D, V] output projection (the embedding's transpose when tied)."""

@@ -447,6 +447,22 @@ def tp_forward(graphdef: nnx.GraphDef, state_like: Any, mesh: Mesh) -> Callable[
     return f
 
 
+def tp_cached_forward(graphdef: nnx.GraphDef, state_like: Any, mesh: Mesh, prefill: bool
+                      ) -> Callable[..., Any]:
+    """`f(state, input_ids, positions, caches) -> (hidden, caches)`: `Transformer.cached_forward` in
+    the inference TP layout. Heads and experts are split; the latent caches are replicated (MLA
+    caches one latent per token for all heads), and every rank writes the same values into them."""
+    specs = param_specs_tree(state_like, "tp")
+
+    def body(state, input_ids, positions, caches):
+        model = nnx.merge(graphdef, state)
+        par = TensorParallel(device=mesh.devices.flat[0], mode=model.cfg.tp_reduce)
+        return model.cached_forward(input_ids, positions, caches, prefill=prefill, parallel=par)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(), P(), P()), out_specs=(P(), P()),
+                         check_vma=False)
+
+
 def place(state: Any, mesh: Mesh, layout: str) -> Any:
     """Puts every parameter of `state` on `mesh` with its layout's sharding."""
     specs = param_specs_tree(state, layout)

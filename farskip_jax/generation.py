@@ -1,0 +1,157 @@
+"""Autoregressive generation: one prefill of the prompts, then one decode step per new token, over
+per-layer MLA latent caches (`LatentCache`), greedy or sampled (temperature, top-p).
+
+Prompts are int32 rows right-padded with -1, so prompts of different lengths share a batch: each
+row's cache slots and positions are its own, and a row's padding is never attended to. Rows stop
+at an EOS id; the batch stops when every row has. FarSkip runs at decode exactly as in training
+and prefill (`residual_step`): the y stream goes from layer to layer within each step.
+
+    gen = Generator(model)                       # or Generator(model, mesh=make_mesh(tensor=8))
+    out = gen.generate(prompt_ids, max_new_tokens=64, eos_ids=[100001])  # [B, P + 64], -1 padded
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from farskip_jax.model.attention import LatentCache
+from farskip_jax.model.layers import DTYPES
+from farskip_jax.model.transformer import Transformer
+
+PAD = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """temperature 0 = greedy (argmax); otherwise softmax(logits / temperature) restricted to the
+    smallest set of tokens whose probability reaches `top_p`."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def pick(logits_bv: jax.Array, temperature: float, top_p: float, key: jax.Array) -> jax.Array:
+    """The next token of every row [B] int32 from float32 logits [B, V] (see `Sampling`)."""
+    if temperature == 0:
+        return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+    scaled = logits_bv / temperature
+    if top_p < 1:
+        probs = jax.nn.softmax(scaled, axis=-1)
+        order = jnp.argsort(-probs, axis=-1)
+        sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
+        before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs  # mass of the more likely tokens
+        keep_sorted = before < top_p  # the most likely token is always kept
+        keep = jnp.zeros_like(keep_sorted).at[jnp.arange(order.shape[0])[:, None], order].set(keep_sorted)
+        scaled = jnp.where(keep, scaled, -jnp.inf)
+    return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+
+
+def prompt_lengths(prompts: np.ndarray) -> np.ndarray:
+    """Tokens per row of a right-padded [B, P] prompt array; raises ValueError on an empty row or a
+    token after padding."""
+    if prompts.ndim != 2 or prompts.size == 0:
+        raise ValueError(f"prompts must be a non-empty [batch, length] array, got {list(prompts.shape)}")
+    real = prompts != PAD
+    lengths = real.sum(axis=1)
+    for b in range(prompts.shape[0]):
+        if lengths[b] == 0:
+            raise ValueError(f"prompt row {b} is empty (all {PAD})")
+        if not real[b, : lengths[b]].all():
+            raise ValueError(f"prompt row {b}: a token follows padding ({PAD}); pad rows on the right only")
+    return lengths.astype(np.int32)
+
+
+class Generator:
+    """Compiled prefill and decode for one model (single device, or TP over `mesh`'s tensor axis)."""
+
+    def __init__(self, model: Transformer, mesh: jax.sharding.Mesh | None = None):
+        self.cfg = model.cfg
+        graphdef, state = nnx.split(model)
+        self.cache_dtype = DTYPES[self.cfg.dtype]
+        if mesh is None:
+            def forward(prefill: bool) -> Callable:
+                return lambda s, ids, pos, caches: nnx.merge(graphdef, s).cached_forward(
+                    ids, pos, caches, prefill=prefill)
+            self.state = state
+        else:
+            from farskip_jax.parallel import place, tp_cached_forward
+
+            def forward(prefill: bool) -> Callable:
+                return tp_cached_forward(graphdef, state, mesh, prefill)
+            self.state = place(state, mesh, "tp")
+
+        def logits(s, hidden_bd):
+            return nnx.merge(graphdef, s).logits(hidden_bd)
+
+        # `how` = (temperature, top_p): static, one compile per sampling rule (the seed is data).
+        def prefill(s, ids, lengths, caches, key, how):
+            pos = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+            hidden, caches = forward(True)(s, ids, pos, caches)
+            last = hidden[jnp.arange(ids.shape[0]), lengths - 1]
+            return pick(logits(s, last), *how, key), caches
+
+        def decode(s, tokens, positions, caches, key, how):
+            hidden, caches = forward(False)(s, tokens[:, None], positions[:, None], caches)
+            return pick(logits(s, hidden[:, 0]), *how, key), caches
+
+        self._prefill = jax.jit(prefill, static_argnums=5, donate_argnums=3)
+        self._decode = jax.jit(decode, static_argnums=5, donate_argnums=3)
+
+    def empty_caches(self, batch: int, slots: int) -> tuple[LatentCache, ...]:
+        return tuple(LatentCache.empty(self.cfg, batch, slots, self.cache_dtype)
+                     for _ in range(self.cfg.num_layers))
+
+    def generate(self, prompts: np.ndarray, max_new_tokens: int, *, eos_ids: Sequence[int] = (),
+                 sampling: Sampling = Sampling(),
+                 on_step: Callable[[np.ndarray, np.ndarray], None] | None = None) -> np.ndarray:
+        """int32 [B, P + max_new_tokens]: each row its prompt without padding, then its new tokens
+        (up to and including its first EOS), right-padded with -1. `on_step(tokens [B], live [B])`
+        is called with each step's tokens (live: the row had not stopped before this token)."""
+        prompts = np.asarray(prompts)
+        if prompts.dtype.kind not in "iu":
+            raise ValueError(f"prompts must be integer token ids, got dtype {prompts.dtype}")
+        lengths = prompt_lengths(prompts)
+        vocab = self.cfg.vocab_size
+        if prompts.max() >= vocab or prompts[prompts != PAD].min() < 0:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}) (or {PAD} for padding)")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        batch, width = prompts.shape
+        caches = self.empty_caches(batch, width + max_new_tokens)
+        key = jax.random.key(sampling.seed)
+        how = (float(sampling.temperature), float(sampling.top_p))
+        ids = jnp.asarray(np.where(prompts == PAD, 0, prompts), jnp.int32)
+        tokens, caches = self._prefill(self.state, ids, jnp.asarray(lengths), caches,
+                                       jax.random.fold_in(key, 0), how)
+        new = np.full((batch, max_new_tokens), PAD, np.int32)
+        live = np.ones(batch, bool)
+        eos = np.asarray(list(eos_ids), np.int32)
+        for step in range(max_new_tokens):
+            host = np.asarray(tokens)
+            new[live, step] = host[live]
+            if on_step is not None:
+                on_step(host, live.copy())
+            live &= ~np.isin(host, eos)
+            if not live.any() or step + 1 == max_new_tokens:
+                break
+            positions = jnp.asarray(lengths + step, jnp.int32)
+            tokens, caches = self._decode(self.state, tokens, positions, caches,
+                                          jax.random.fold_in(key, step + 1), how)
+        out = np.full((batch, width + max_new_tokens), PAD, np.int32)
+        for b in range(batch):
+            row = np.concatenate([prompts[b, : lengths[b]], new[b][new[b] != PAD]])
+            out[b, : row.size] = row
+        return out
