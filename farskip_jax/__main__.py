@@ -2,6 +2,7 @@
 
 Subcommands:
   logits   run an HF DeepSeek-V2 checkpoint on token ids, write float32 logits (farskip_jax.cli_logits)
+  generate prefill + decode over the MLA latent cache: text or token ids (farskip_jax.cli_generate)
   inspect  deviceless compile + HLO overlap report (farskip_jax.inspect.cli)
 """
 
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 
 SUBCOMMANDS = {
     "logits": ("farskip_jax.cli_logits", "run a checkpoint on token ids and write float32 logits"),
+    "generate": ("farskip_jax.cli_generate", "generate text or token ids from a checkpoint (KV cache)"),
     "inspect": ("farskip_jax.inspect.cli", "deviceless compile and HLO collective-overlap report"),
 }
 
