@@ -364,6 +364,32 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class GenEvalConfig:
+    """Evaluation by generation (`farskip_jax.train.gen_eval`): greedy completions of the prompts in
+    `path`, a JSONL of {"prompt", "answer"} records (scored by exact match, `exact_match`) or of
+    {"prompt", "tests"} records (each program run against its tests in a sandboxed subprocess,
+    `pass_at_1`). Prompts are wrapped in `data.template`'s user and assistant turn."""
+
+    path: str | None = None
+    max_new_tokens: int = 256
+    limit: int | None = None  # the first N records only
+    batch_size: int = 16  # prompts generated together
+    timeout_s: float = 10.0  # wall clock per program
+    cpu_s: int = 10  # CPU seconds per program
+    memory_mb: int = 1024  # address space per program
+    workers: int = 4  # programs run at once
+
+    def validate(self) -> None:
+        for name in ("max_new_tokens", "batch_size", "cpu_s", "memory_mb", "workers"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.gen_eval.{name} must be >= 1, got {getattr(self, name)}")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"train.gen_eval.limit must be null or >= 1, got {self.limit}")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"train.gen_eval.timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Optimisation and loss settings for `train.py`."""
 
@@ -397,8 +423,11 @@ class TrainConfig:
     patience: int = 20
     drop_threshold: float = 0.02
     # Early-stopping / best-checkpoint metric (higher is better): greedy next-token exact match on the
-    # held-out loss-masked tokens, agreement with the teacher's greedy token, or the negated eval loss.
-    eval_metric: Literal["next_token_acc", "teacher_agreement", "neg_loss"] = "next_token_acc"
+    # held-out loss-masked tokens, agreement with the teacher's greedy token, the negated eval loss,
+    # or, by free-running generation (`gen_eval`), answer exact match or pass@1 of programs.
+    eval_metric: Literal["next_token_acc", "teacher_agreement", "neg_loss", "exact_match",
+                         "pass_at_1"] = "next_token_acc"
+    gen_eval: GenEvalConfig = dataclasses.field(default_factory=GenEvalConfig)
     max_nonfinite_in_row: int = 5
     spike_factor: float = 3.0
     output_dir: str = "runs/default"
@@ -419,6 +448,11 @@ class TrainConfig:
             raise ConfigError(f"train.kl_temperature must be > 0, got {self.kl_temperature}")
         if not 0 <= self.drop_threshold < 1:
             raise ConfigError(f"train.drop_threshold must be in [0, 1), got {self.drop_threshold}")
+        self.gen_eval.validate()
+        if self.eval_metric in ("exact_match", "pass_at_1") and self.gen_eval.path is None:
+            raise ConfigError(f"train.eval_metric={self.eval_metric} is measured by generation: set "
+                              "train.gen_eval.path to a JSONL of prompts with answers (exact_match) or "
+                              "tests (pass_at_1)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from farskip_jax.config import ModelConfig
 from farskip_jax.model.attention import LatentCache
 from farskip_jax.model.layers import DTYPES
 from farskip_jax.model.transformer import Transformer
@@ -74,6 +75,19 @@ def prompt_lengths(prompts: np.ndarray) -> np.ndarray:
     return lengths.astype(np.int32)
 
 
+def tensor_parallel_mesh(cfg: ModelConfig, devices: Sequence[jax.Device]) -> jax.sharding.Mesh | None:
+    """A TP mesh over as many of `devices` as split the model evenly (heads, experts, MLP widths):
+    the layout that generates from a model too large for one device. None for a single device."""
+    from farskip_jax.config import MeshConfig
+    from farskip_jax.parallel import make_mesh
+
+    widths = [cfg.num_heads, cfg.n_routed_experts, cfg.moe_intermediate_size * max(cfg.n_shared_experts, 1)]
+    if any(not cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
+        widths.append(cfg.intermediate_size)
+    n = max(t for t in range(1, len(devices) + 1) if all(w % t == 0 for w in widths))
+    return None if n == 1 else make_mesh(MeshConfig(tensor=n), list(devices))
+
+
 class Generator:
     """Compiled prefill and decode for one model (single device, or TP over `mesh`'s tensor axis)."""
 
@@ -85,13 +99,13 @@ class Generator:
             def forward(prefill: bool) -> Callable:
                 return lambda s, ids, pos, caches: nnx.merge(graphdef, s).cached_forward(
                     ids, pos, caches, prefill=prefill)
-            self.state = state
         else:
-            from farskip_jax.parallel import place, tp_cached_forward
+            from farskip_jax.parallel import tp_cached_forward
 
             def forward(prefill: bool) -> Callable:
                 return tp_cached_forward(graphdef, state, mesh, prefill)
-            self.state = place(state, mesh, "tp")
+        self.mesh = mesh
+        self.load(state)
 
         def logits(s, hidden_bd):
             return nnx.merge(graphdef, s).logits(hidden_bd)
@@ -109,6 +123,16 @@ class Generator:
 
         self._prefill = jax.jit(prefill, static_argnums=5, donate_argnums=3)
         self._decode = jax.jit(decode, static_argnums=5, donate_argnums=3)
+
+    def load(self, state: nnx.State) -> None:
+        """Generate with these parameters from now on (same model graph; nothing recompiles). With a
+        mesh they are moved into its TP layout, from wherever they are (e.g. a training layout)."""
+        if self.mesh is None:
+            self.state = state
+        else:
+            from farskip_jax.parallel import place
+
+            self.state = place(state, self.mesh, "tp")
 
     def empty_caches(self, batch: int, slots: int) -> tuple[LatentCache, ...]:
         return tuple(LatentCache.empty(self.cfg, batch, slots, self.cache_dtype)

@@ -120,6 +120,16 @@ class Trainer:
         self.eval_step = self.program.eval_step()
         self.ckpt = CheckpointManager(self.out / "checkpoints", tc.keep_checkpoints)
         self.stopper = EarlyStopper(tc.patience, tc.drop_threshold)
+        self.gen_eval = None
+        if tc.gen_eval.path is not None:
+            from farskip_jax.train.gen_eval import GenerationEval
+
+            dcfg = batches.data_config(cfg)
+            self.gen_eval = GenerationEval(tc.gen_eval, self.program.student_cfg, self.program.student_graph,
+                                           self.state["params"], dcfg.tokenizer, dcfg.template)
+            if tc.eval_metric in ("exact_match", "pass_at_1") and tc.eval_metric != self.gen_eval.metric:
+                raise UserError(f"train.eval_metric={tc.eval_metric} but {tc.gen_eval.path} holds "
+                                f"{self.gen_eval.metric} records ('answer': exact_match, 'tests': pass_at_1)")
         self.rng = jax.random.key_data(jax.random.key(tc.seed))
         self.step = 0
         self.loss_ema: float | None = None
@@ -168,6 +178,20 @@ class Trainer:
         return {**host, **self.cache.load(name, host["input_ids"])}
 
     def evaluate(self) -> dict[str, float] | None:
+        """Teacher-forced metrics on `data.eval_paths` and/or generation metrics (`train.gen_eval`);
+        "metric" is `train.eval_metric`'s value (None: nothing to evaluate)."""
+        res = self._teacher_forced_eval() or {}
+        if self.gen_eval is not None:
+            res.update(self.gen_eval(self.state["params"]))
+        if not res:
+            return None
+        metric = self.cfg.train.eval_metric
+        if (metric == "neg_loss" and "loss" not in res) or (metric != "neg_loss" and metric not in res):
+            raise UserError(f"train.eval_metric={metric} needs data.eval_paths (teacher-forced metrics)")
+        res["metric"] = -res["loss"] if metric == "neg_loss" else res[metric]
+        return res
+
+    def _teacher_forced_eval(self) -> dict[str, float] | None:
         if self.eval_data is None:
             return None
         sums: dict[str, float] = {}
@@ -187,8 +211,6 @@ class Trainer:
         else:
             res["ce"] = sums["ce_sum"] / n
             res["loss"] = res["ce"]
-        metric = self.cfg.train.eval_metric
-        res["metric"] = -res["loss"] if metric == "neg_loss" else res[metric]
         return res
 
     # ---- loop -----------------------------------------------------------------------------
