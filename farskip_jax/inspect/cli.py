@@ -220,17 +220,22 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="config name in configs/ or a YAML path")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override, e.g. model.num_layers=4 (repeatable)")
-    p.add_argument("--mode", choices=("train", "fcsd", "prefill"), default="train",
+    p.add_argument("--mode", choices=("train", "fcsd", "prefill", "decode"), default="train",
                    help="train: the trainer's step with the `lm` loss (student only) under EP; fcsd: "
                         "exactly the step train.py runs for this config (FCSD: the frozen regular "
-                        "teacher's forward too, reported apart); prefill: TP inference forward")
+                        "teacher's forward too, reported apart); prefill: TP inference forward; "
+                        "decode: one TP decode step, --batch sequences (default 256) each adding a token "
+                        "against a --seq-len latent cache")
     p.add_argument("--compare-regular", action="store_true",
                    help="also compile the same model with regular connectivity and compare")
     p.add_argument("--seqs-per-device", type=int, default=None,
                    help="train/fcsd: sequences per device per micro-batch (default: as train.py runs the "
                         "config, data.batch_size over the mesh's data x expert devices)")
-    p.add_argument("--batch", type=int, default=1, help="prefill: sequences (replicated over the TP group)")
-    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=None,
+                   help="prefill: sequences (default 1); decode: sequences decoding together (default 256); "
+                        "replicated over the TP group")
+    p.add_argument("--seq-len", type=int, default=4096,
+                   help="tokens per sequence (decode: tokens already in the cache)")
     p.add_argument("--moe-load", choices=("balanced", "static"), default="balanced",
                    help="how the cost model prices grouped GEMMs (ragged_dot), whose row count is a "
                         "worst case fixed at compile time: balanced = the rows balanced routing gives "
@@ -255,6 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         batch_devices = args.mesh.get("data", 1) * args.mesh.get("expert", 1)
         per_process = int(cfg.data.get("batch_size", DataConfig.batch_size))
         args.seqs_per_device = max(1, per_process // batch_devices)
+    if args.batch is None:
+        args.batch = 256 if args.mode == "decode" else 1
     if args.seqs_per_device < 1 or args.seq_len < 1 or args.batch < 1:
         raise UserError("--seqs-per-device, --seq-len and --batch must be positive")
     if args.modes in (None, "farskip,regular"):
@@ -268,17 +275,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.mesh = mesh
     from farskip_jax.inspect import steps
 
-    if args.mode == "prefill" and not any(k == PSUM_COMBINE_OPTION[0] for k, _ in args.compiler_option):
+    if not ep and not any(k == PSUM_COMBINE_OPTION[0] for k, _ in args.compiler_option):
         args.compiler_option.append(PSUM_COMBINE_OPTION)
-    tokens = args.seqs_per_device * args.seq_len if ep else args.batch * args.seq_len
+    tokens = (args.seqs_per_device * args.seq_len if ep else args.batch if args.mode == "decode"
+              else args.batch * args.seq_len)
     args.grouped_fill = (steps.balanced_grouped_fill(cfg.model, mesh, ep, tokens, args.seq_len)
                          if args.moe_load == "balanced" else 1.0)
     if args.mode == "train":
         build = steps.build_train_step(cfg, args.seqs_per_device, args.seq_len)
     elif args.mode == "fcsd":
         build = steps.build_fcsd_step(cfg, args.seqs_per_device, args.seq_len)
-    else:
+    elif args.mode == "prefill":
         build = steps.build_prefill_step(cfg, args.batch, args.seq_len)
+    else:
+        build = steps.build_decode_step(cfg, args.batch, args.seq_len)
     print(f"inspect: {cfg.name} {args.mode} on {args.target}, mesh {mesh}, modes {args.modes}, "
           f"{args.seqs_per_device if ep else args.batch} x {args.seq_len} tokens per device, "
           f"grouped GEMMs priced at {args.grouped_fill:.4g} of their rows "

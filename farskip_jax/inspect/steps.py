@@ -1,4 +1,4 @@
-"""The real steps the inspector compiles: the trainer's jitted train step, and TP prefill.
+"""The real steps the inspector compiles: the trainer's jitted train step, TP prefill and TP decode.
 
 `build_step(cfg, ...)` returns the `build_step(mesh, mode)` callback that `cli.run_inspect`
 wants, where mode is "farskip" or "regular" (the same model and parameters, connectivity on or
@@ -142,3 +142,35 @@ def build_prefill_step(cfg: Config, batch: int, seq_len: int
         return jax.jit(lambda s, i: fwd(s, i)[0]), (_abstract(params, p_shard), ids)
 
     return build
+
+
+def build_decode_step(cfg: Config, batch: int, cache_len: int
+                      ) -> Callable[[Mesh, str], tuple[Any, Sequence[Any]]]:
+    """One decode step in the TP layout: `batch` sequences each add one token against a latent cache
+    of `cache_len` tokens (the absorbed attention of `generation`), then the next token's logits.
+    The caches are donated, as the generator does, so they are updated in place."""
+    from farskip_jax.model.attention import LatentCache
+    from farskip_jax.model.layers import DTYPES
+    from farskip_jax.parallel import tp_cached_forward
+
+    def build(mesh: Mesh, mode: str):
+        mcfg = model_for(cfg.model, mode)
+        graphdef, params = _abstract_model(mcfg)
+        specs = param_specs_tree(params, "tp")
+        p_shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+        fwd = tp_cached_forward(graphdef, params, mesh, prefill=False)
+        replicated = NamedSharding(mesh, P())
+        dt = DTYPES[mcfg.dtype]
+        slots = lambda width: jax.ShapeDtypeStruct((batch, cache_len, width), dt, sharding=replicated)
+        cache = LatentCache(slots(mcfg.kv_lora_rank), slots(mcfg.qk_rope_head_dim))
+        caches = tuple(cache for _ in range(mcfg.num_layers))
+        column = jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=replicated)
+
+        def step(state, tokens, positions, caches):
+            hidden, caches = fwd(state, tokens, positions, caches)
+            return nnx.merge(graphdef, state).logits(hidden[:, 0]), caches
+
+        return jax.jit(step, donate_argnums=3), (_abstract(params, p_shard), column, column, caches)
+
+    return build
+

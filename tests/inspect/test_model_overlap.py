@@ -27,10 +27,13 @@ def _inspect(tmp_path_factory, mode: str) -> dict:
     if mode == "train":
         build = steps.build_train_step(cfg, seqs_per_device=1, seq_len=SEQ)
         mesh = {"data": 1, "expert": 8, "tensor": 1}
-    else:
+    elif mode == "prefill":
         build = steps.build_prefill_step(cfg, batch=1, seq_len=SEQ)
         mesh = {"data": 1, "expert": 1, "tensor": 8}
-    options = [PSUM_COMBINE_OPTION] if mode == "prefill" else []
+    else:
+        build = steps.build_decode_step(cfg, batch=64, cache_len=1024)
+        mesh = {"data": 1, "expert": 1, "tensor": 8}
+    options = [PSUM_COMBINE_OPTION] if mode != "train" else []
     args = argparse.Namespace(target="h200", mesh=mesh, modes="farskip,regular",
                               out=tmp_path_factory.mktemp(f"overlap_{mode}"), lhs_dump=False,
                               compiler_option=options, no_default_options=False, save_hlo=False)
@@ -45,6 +48,11 @@ def train_reports(tmp_path_factory):
 @pytest.fixture(scope="module")
 def prefill_reports(tmp_path_factory):
     return _inspect(tmp_path_factory, "prefill")
+
+
+@pytest.fixture(scope="module")
+def decode_reports(tmp_path_factory):
+    return _inspect(tmp_path_factory, "decode")
 
 
 def _kind(report: dict, kind: str) -> list[dict]:
@@ -100,3 +108,22 @@ def test_prefill_psums_hide_up_to_their_dependency_bound(prefill_reports):
     assert all(c["hidden_frac"] > 0.99 for c in attn_shared), "router + experts cover the A+S psum"
     assert f_tot > 0.6
     assert f_tot > r_tot + 0.5
+
+
+def test_decode_step_has_farskips_psums_and_hides_more(decode_reports):
+    """One TP decode step over the latent cache (64 sequences, 1024 cached tokens, 3 layers of which
+    the first is dense): FarSkip issues one psum for the dense layer and two per MoE layer (A + S, and
+    the routed one that only the next layer's MoE waits for), regular two per layer; FarSkip's are
+    async and hide more of the psum time."""
+    far, reg = decode_reports["farskip"], decode_reports["regular"]
+    f_psums, r_psums = _kind(far, "all-reduce"), _kind(reg, "all-reduce")
+    roles = sorted(c["role"] for c in f_psums)
+    assert roles.count("tp_psum_routed") == 2 and roles.count("tp_psum_attn_shared") == 2
+    assert len(f_psums) == 5 and len(r_psums) == 6
+    f_tot = far["totals"]["by_kind"]["all-reduce"]["hidden_frac"]
+    r_tot = reg["totals"]["by_kind"]["all-reduce"]["hidden_frac"]
+    print(f"OVERLAP decode psum hidden: farskip {f_tot:.3f} regular {r_tot:.3f}")
+    routed = [c for c in f_psums if c["role"] == "tp_psum_routed"]
+    assert all(c["is_async"] for c in routed[:-1])
+    assert f_tot > r_tot
+
