@@ -32,6 +32,7 @@ from farskip_jax.cli_logits import (
     provide_host_devices,
 )
 from farskip_jax.errors import cli_main
+from farskip_jax.xla_flags import apply_default_xla_flags, detect_local_target
 
 DESCRIPTION = """\
 Generate from a DeepSeek-V2 checkpoint (an HF directory, or an Orbax directory written by
@@ -242,7 +243,10 @@ def run(args: argparse.Namespace) -> np.ndarray:
     if mesh is not None:
         if mesh.tensor == 1:
             raise CliError(f"--mesh {args.mesh}: generate runs tensor parallel only, e.g. --mesh tensor=8")
-        provide_host_devices(mesh.num_devices)  # before anything below starts the JAX backend
+        # Before anything below starts the JAX backend: host devices on a CPU-only machine, the GPU
+        # family's flags (FarSkip's psums kept apart) on a GPU one.
+        provide_host_devices(mesh.num_devices)
+        apply_default_xla_flags(detect_local_target(), tp_inference=True)
     if args.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
     try:

@@ -58,6 +58,11 @@ _MI300X = (
          "hipCUB sort ~15 ms per router top_k on ROCm (AMD Primus MaxText env)", False),
 )
 _FLAGS: dict[str, tuple[Flag, ...]] = {"h200": _H200, "mi300x": _MI300X, "local": ()}
+# Tensor-parallel inference (both GPU families): XLA's all-reduce combiner would merge FarSkip's
+# independent psums (layer k's routed psum with layer k+1's attention + shared psum) into one that
+# waits for both (FARSKIP.md 5: at decode sizes it did). Serving stacks issue each psum on its own.
+PSUM_COMBINE_OFF = Flag("xla_gpu_all_reduce_combine_threshold_bytes", "0",
+                        "keep FarSkip's TP psums apart: the combiner merged them at decode sizes", True)
 
 
 def _check(target: str) -> None:
@@ -80,8 +85,10 @@ def _flag_names(xla_flags: str) -> set[str]:
     return {tok[2:].split("=", 1)[0] for tok in xla_flags.split() if tok.startswith("--")}
 
 
-def apply_default_xla_flags(target: str, environ: dict[str, str] | None = None) -> list[str]:
-    """Append our defaults for ``target`` to XLA_FLAGS, skipping any flag the user already set.
+def apply_default_xla_flags(target: str, environ: dict[str, str] | None = None,
+                            tp_inference: bool = False) -> list[str]:
+    """Append our defaults for ``target`` (with ``tp_inference``, and `PSUM_COMBINE_OFF` on a GPU)
+    to XLA_FLAGS, skipping any flag the user already set.
 
     The user's own setting of a flag wins. Must run before JAX compiles anything in this process.
     Returns the flags that were added.
@@ -89,8 +96,8 @@ def apply_default_xla_flags(target: str, environ: dict[str, str] | None = None) 
     env = os.environ if environ is None else environ
     current = env.get("XLA_FLAGS", "")
     present = _flag_names(current)
-    added = [s for f, s in zip(flag_table(target), flags_for(target), strict=True)
-             if f.name not in present]
+    table = flag_table(target) + ((PSUM_COMBINE_OFF,) if tp_inference and target != "local" else ())
+    added = [f"--{f.name}={f.value}" for f in table if f.name not in present]
     if added:
         env["XLA_FLAGS"] = " ".join([current.strip(), *added]).strip()
     return added

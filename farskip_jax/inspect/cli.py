@@ -21,11 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from farskip_jax.errors import UserError, cli_main
+from farskip_jax.xla_flags import PSUM_COMBINE_OFF
 
-# Inference TP: XLA's all-reduce combiner would merge FarSkip's independent psums (layer k's routed
-# psum with layer k+1's attention+shared psum) into one that waits for both (FARSKIP.md 5: at decode
-# sizes it did). Serving stacks issue each psum on its own; so does the prefill inspection.
-PSUM_COMBINE_OPTION = ("xla_gpu_all_reduce_combine_threshold_bytes", 0)
+# Inference TP: FarSkip's psums stay apart (xla_flags.PSUM_COMBINE_OFF), as `generate` runs them.
+PSUM_COMBINE_OPTION = (PSUM_COMBINE_OFF.name, int(PSUM_COMBINE_OFF.value))
 
 BuildStep = Callable[[Any, str], tuple[Any, Sequence[Any]]]
 

@@ -160,6 +160,11 @@ def test_xla_flags_user_wins() -> None:
                                                         "xla_gpu_enable_triton_gemm": False}
     with pytest.raises(ValueError):
         xla_flags.flags_for("tpu")
+    # TP inference on a GPU also keeps FarSkip's psums apart; a CPU-only host gets nothing.
+    env = {}
+    assert "--xla_gpu_all_reduce_combine_threshold_bytes=0" in xla_flags.apply_default_xla_flags(
+        "h200", env, tp_inference=True)
+    assert xla_flags.apply_default_xla_flags("local", {}, tp_inference=True) == []
 
 
 def test_target_specs_match_the_roofline_table() -> None:
