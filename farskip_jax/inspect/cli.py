@@ -288,8 +288,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         build = steps.build_prefill_step(cfg, args.batch, args.seq_len)
     else:
         build = steps.build_decode_step(cfg, args.batch, args.seq_len)
-    print(f"inspect: {cfg.name} {args.mode} on {args.target}, mesh {mesh}, modes {args.modes}, "
-          f"{args.seqs_per_device if ep else args.batch} x {args.seq_len} tokens per device, "
+    shape = (f"{args.batch} sequences x 1 new token against {args.seq_len} cached" if args.mode == "decode"
+             else f"{args.seqs_per_device if ep else args.batch} x {args.seq_len} tokens per device")
+    print(f"inspect: {cfg.name} {args.mode} on {args.target}, mesh {mesh}, modes {args.modes}, {shape}, "
           f"grouped GEMMs priced at {args.grouped_fill:.4g} of their rows "
           f"(--moe-load {args.moe_load})")
     t0 = time.perf_counter()
