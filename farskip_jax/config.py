@@ -432,6 +432,10 @@ class TrainConfig:
     spike_factor: float = 3.0
     output_dir: str = "runs/default"
     init_checkpoint: str | None = None
+    # Schedule the step with a synthetic PGLE profile of its own (train/scheduled_step.py): auto = on
+    # MI300X hosts, whose XLA scheduler otherwise prices every collective alike; synthetic = on any
+    # GPU; off = XLA's own costs (or JAX's measured automatic PGLE).
+    pgle: Literal["auto", "synthetic", "off"] = "auto"
     # ZeRO-1: optimizer state of the replicated (non-expert) weights sharded over (data, expert);
     # gradients reduce-scattered, updated parameters all-gathered.
     zero1: bool = True

@@ -99,6 +99,7 @@ class CompiledArtifacts:
     device_kind: str = ""
     num_devices: int = 0
     memory: dict[str, Any] | None = None  # memory_section() of the compiled executable
+    executable: Any = None  # the jax Compiled itself, when asked for (`keep_executable`; local target)
 
     def summary(self) -> dict[str, Any]:
         return {"target": self.target, "lower_seconds": self.lower_seconds,
@@ -154,7 +155,7 @@ def _device_memory_size(target: str, devices: list[Any]) -> int | None:
 def compile_scheduled_hlo(jitted_fn: Any, *arg_specs: Any, target: str,
                           compiler_options: dict[str, Any] | None = None,
                           default_options: bool = True, dump_lhs_schedule: bool = False,
-                          dump_dir: str | None = None) -> CompiledArtifacts:
+                          dump_dir: str | None = None, keep_executable: bool = False) -> CompiledArtifacts:
     """Lower ``jitted_fn`` on ``arg_specs`` (ShapeDtypeStructs with NamedShardings on a target mesh)
     and compile; returns the scheduled HLO text and timings.
 
@@ -200,7 +201,8 @@ def compile_scheduled_hlo(jitted_fn: Any, *arg_specs: Any, target: str,
         target=target, hlo_text=text, lower_seconds=t1 - t0, compile_seconds=t2 - t1,
         compiler_options={k: v for k, v in opts.items() if k != "xla_dump_to"}, lhs_schedule_text=sched,
         device_kind=devices[0].device_kind if devices else "", num_devices=len(devices),
-        memory=memory_section(mem_stats, _device_memory_size(target, devices)))
+        memory=memory_section(mem_stats, _device_memory_size(target, devices)),
+        executable=compiled if keep_executable else None)
 
 
 def _devices_of(arg_specs: Any) -> list[Any]:

@@ -243,7 +243,8 @@ def compile_with_synthetic_pgle(jitted_fn: Any, *arg_specs: Any, target: str,
                                 compiler_options: dict[str, Any] | None = None,
                                 default_options: bool = True, profile_dir: str | Path | None = None,
                                 dump_lhs_schedule: bool = False,
-                                cost_target: str | None = None, grouped_fill: float = 1.0) -> PgleCompile:
+                                cost_target: str | None = None, grouped_fill: float = 1.0,
+                                keep_executable: bool = False) -> PgleCompile:
     """Compile ``jitted_fn`` for ``target`` twice: once to dump the scheduler's input (kept as the
     baseline), then with a synthetic PGLE profile of it and the strict accuracy checker.
 
@@ -271,7 +272,7 @@ def compile_with_synthetic_pgle(jitted_fn: Any, *arg_specs: Any, target: str,
     checker = "error"
     try:
         art = _compile_with_profile(jitted_fn, arg_specs, target, base_opts, path, STRICT_OPTIONS,
-                                    default_options, dump_lhs_schedule)
+                                    default_options, dump_lhs_schedule, keep_executable)
     except PgleError as e:
         if _NAME_VERIFIER not in str(e) or "remat" not in str(e):
             raise
@@ -282,7 +283,7 @@ def compile_with_synthetic_pgle(jitted_fn: Any, *arg_specs: Any, target: str,
         # verifier means the profile covered every instruction; apply it again at WARN level,
         # which keeps the check's log output but not the post-remat verifier.
         art = _compile_with_profile(jitted_fn, arg_specs, target, base_opts, path, WARN_OPTIONS,
-                                    default_options, dump_lhs_schedule)
+                                    default_options, dump_lhs_schedule, keep_executable)
         checker = "error before scheduling; warn (rematerialization renamed instructions)"
     return PgleCompile(art, path, baseline, module_fingerprint(entry_text),
                        sum(1 for ln in Path(path).read_text().splitlines() if ln.startswith("costs")),
@@ -291,13 +292,14 @@ def compile_with_synthetic_pgle(jitted_fn: Any, *arg_specs: Any, target: str,
 
 def _compile_with_profile(jitted_fn: Any, arg_specs: tuple[Any, ...], target: str,
                           base_opts: dict[str, Any], path: str, checker_opts: dict[str, str],
-                          default_options: bool, dump_lhs_schedule: bool) -> aot.CompiledArtifacts:
+                          default_options: bool, dump_lhs_schedule: bool,
+                          keep_executable: bool = False) -> aot.CompiledArtifacts:
     opts = dict(base_opts, **checker_opts)
     opts[PROFILE_OPTION] = path
     try:
         return aot.compile_scheduled_hlo(jitted_fn, *arg_specs, target=target, compiler_options=opts,
                                          default_options=default_options,
-                                         dump_lhs_schedule=dump_lhs_schedule)
+                                         dump_lhs_schedule=dump_lhs_schedule, keep_executable=keep_executable)
     except Exception as e:  # XlaRuntimeError or JaxRuntimeError, depending on the jaxlib version
         if "missing instructions" in str(e) or _NAME_VERIFIER in str(e):
             raise PgleError(f"XLA rejected the synthetic PGLE profile {path}: {e}") from e

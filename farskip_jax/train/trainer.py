@@ -24,10 +24,11 @@ from flax import nnx
 from farskip_jax.checkpoint.manager import CheckpointManager
 from farskip_jax.config import Config, to_dict
 from farskip_jax.errors import UserError
-from farskip_jax.train import batches, setup
+from farskip_jax.train import batches, scheduled_step, setup
 from farskip_jax.train.early_stop import EarlyStopper
 from farskip_jax.train.program import TrainProgram, build_program
 from farskip_jax.train.teacher_cache import TeacherCache
+from farskip_jax.train.zero1 import batch_devices
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,7 @@ class Trainer:
             if tc.eval_metric in ("exact_match", "pass_at_1") and tc.eval_metric != self.gen_eval.metric:
                 raise UserError(f"train.eval_metric={tc.eval_metric} but {tc.gen_eval.path} holds "
                                 f"{self.gen_eval.metric} records ('answer': exact_match, 'tests': pass_at_1)")
+        self.pgle_target = scheduled_step.profile_target(cfg)  # compiled with the first batch
         self.rng = jax.random.key_data(jax.random.key(tc.seed))
         self.step = 0
         self.loss_ema: float | None = None
@@ -276,8 +278,14 @@ class Trainer:
                 host = self._with_cache(self.data.next_host(), f"train_{self.step:08d}")
                 real_tokens += float(np.sum(host["segment_ids"] > 0)) * jax.process_count()
                 scale = jnp.float32(jnp.nan if self.step in nan_steps else 1.0)
-                self.state, m = self.train_step(self.state, self.models.teacher_params,
-                                                self.data.to_device(host), scale)
+                batch = self.data.to_device(host)
+                if self.pgle_target is not None:
+                    self.train_step = scheduled_step.compile_with_profile(
+                        self.train_step, (self.state, self.models.teacher_params, batch, scale),
+                        self.pgle_target, self.out / "pgle", self.cfg,
+                        host["input_ids"].shape[1] * jax.process_count() // batch_devices(self.mesh))
+                    self.pgle_target = None
+                self.state, m = self.train_step(self.state, self.models.teacher_params, batch, scale)
                 m = jax.device_get(m)
                 loss, ok = self._record(m)
                 self.step += 1

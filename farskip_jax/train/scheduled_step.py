@@ -1,0 +1,59 @@
+"""The train step compiled with the inspector's synthetic PGLE profile (`train.pgle`).
+
+On MI300X (gfx942) XLA's latency-hiding scheduler has no cost model and prices every async
+collective at the same fixed units, so left alone it hides much less all-to-all time than the
+program allows (BENCHMARKS.md F). `farskip_jax.inspect.pgle` gives it per-instruction costs from the
+inspector's roofline and link model; here the trainer does the same for the step it runs: compile
+once to read the module the scheduler receives, price it, and compile again with that profile. The
+inspector's `--target mi300x` reports are of this schedule. Replacing it with a profile measured on
+the machine: `train.pgle=off` plus JAX's automatic PGLE (README "XLA flags").
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from farskip_jax.config import Config
+from farskip_jax.errors import UserError
+from farskip_jax.xla_flags import detect_local_target
+
+log = logging.getLogger(__name__)
+
+
+def profile_target(cfg: Config) -> str | None:
+    """The GPU family whose costs price the profile, or None when the step compiles as usual.
+    `auto`: MI300X hosts only (H200 has XLA's own speed-of-light estimator)."""
+    choice = cfg.train.pgle
+    gpu = detect_local_target()
+    if choice == "off" or (choice == "auto" and gpu != "mi300x"):
+        return None
+    if gpu == "local":
+        raise UserError("train.pgle=synthetic needs a GPU (it prices XLA's GPU schedule); this host has "
+                        "none: set train.pgle=auto or off")
+    return gpu
+
+
+def compile_with_profile(step: Any, args: tuple, gpu: str, profile_dir: Path, cfg: Config,
+                         seqs_per_device: int) -> Callable[..., Any]:
+    """`step` (a jitted train step) compiled for these arguments with a synthetic PGLE profile of
+    itself; returns the executable, called like `step`."""
+    from farskip_jax.inspect import pgle
+    from farskip_jax.inspect.steps import balanced_grouped_fill
+    from farskip_jax.xla_flags import compiler_options_for
+
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), args)
+    mesh = {"data": cfg.mesh.data, "expert": cfg.mesh.expert, "tensor": cfg.mesh.tensor}
+    seq_len = args[2]["input_ids"].shape[-1]
+    fill = balanced_grouped_fill(cfg.model, mesh, True, seqs_per_device * seq_len, seq_len)
+    log.info("train.pgle: compiling the step twice for a synthetic %s profile (-> %s)", gpu, profile_dir)
+    res = pgle.compile_with_synthetic_pgle(step, *abstract, target="local", cost_target=gpu,
+                                           compiler_options=compiler_options_for(gpu),
+                                           profile_dir=profile_dir, grouped_fill=fill, keep_executable=True)
+    log.info("train.pgle: %d instruction costs in %s (checker: %s)", res.num_costs, res.profile_path,
+             res.checker)
+    return res.artifacts.executable
