@@ -123,13 +123,33 @@ def is_grouped_gemm(ins: Instr) -> bool:
     return ins.opcode == "ragged-dot" or (ins.opcode == "custom-call" and "groupedMatmul" in ins.attrs)
 
 
-def instr_bytes(comp: Computation, ins: Instr) -> float:
-    """HBM traffic estimate: result plus operands (in-place updates are over-counted)."""
-    total = shape_bytes(ins.shape)
+_IN_PLACE_OPS = ("scatter", "dynamic-update-slice")
+
+
+def _updates_in_place(mod: HloModule | None, comp: Computation, ins: Instr) -> str | None:
+    """The operand that `ins` updates in place, or None: a scatter or dynamic-update-slice (or a
+    fusion rooted in one) of an entry parameter of the result's shape, i.e. a donated buffer such
+    as a decode step's KV cache, which XLA writes into where it lies."""
+    root = ins.opcode
+    if ins.opcode == "fusion" and mod is not None:
+        called = mod.computations.get(ins.attr("calls") or "")
+        root = called.root.opcode if called is not None and called.root is not None else ""
+    if root not in _IN_PLACE_OPS or not comp.is_entry:
+        return None
     for o in ins.operands:
-        if o in comp.by_name:
-            total += shape_bytes(comp.by_name[o].shape)
-    return total
+        src = comp.by_name.get(o)
+        if src is not None and src.opcode == "parameter" and src.shape == ins.shape:
+            return o
+    return None
+
+
+def instr_bytes(comp: Computation, ins: Instr, mod: HloModule | None = None) -> float:
+    """HBM traffic estimate: result plus operands. An in-place update of a donated buffer
+    (`_updates_in_place`) moves only what it writes: its other operands, read and written once."""
+    in_place = _updates_in_place(mod, comp, ins)
+    others = sum(shape_bytes(comp.by_name[o].shape) for o in ins.operands
+                 if o in comp.by_name and o != in_place)
+    return 2 * others if in_place else shape_bytes(ins.shape) + others
 
 
 def trip_count(ins: Instr) -> int:
@@ -470,7 +490,7 @@ class _Analyzer:
             t = max((self.comp_time_us(c) for c in ins.called()), default=0.0)
         else:
             flops = instr_flops(self.mod, comp, ins)
-            t = max(flops / self.hw["peak_flops"], instr_bytes(comp, ins) / self.hw["hbm_bw"]) * 1e6
+            t = max(flops / self.hw["peak_flops"], instr_bytes(comp, ins, self.mod) / self.hw["hbm_bw"]) * 1e6
             if is_grouped_gemm(ins):
                 t *= self.grouped_fill
         self._cost[key] = t

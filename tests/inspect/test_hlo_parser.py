@@ -177,3 +177,16 @@ def test_target_specs_match_the_roofline_table() -> None:
     assert targets.memory_bandwidth("mi300x") == 5.3e12
     assert targets.device_memory_size("mi300x") == 205822885888
     assert targets.device_memory_size("h200") == 151397597184
+
+
+
+
+def test_in_place_update_of_a_donated_buffer_moves_only_its_updates() -> None:
+    """A decode step writes one token per row into a 512 MiB cache: the scatter of an entry
+    parameter (a donated buffer) costs its updates and indices, read and written; the same scatter
+    of a computed buffer is still charged the whole buffer in and out."""
+    mod = hlo.parse_hlo((DATA / "in_place.hlo").read_text())
+    main = mod.computations[mod.entry]
+    small = 64 * 512 * 4 + 64 * 2 * 4
+    assert hlo.instr_bytes(main, main.by_name["written"], mod) == 2 * small
+    assert hlo.instr_bytes(main, main.by_name["rewritten"], mod) == 2 * 64 * 4096 * 512 * 4 + small
