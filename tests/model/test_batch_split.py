@@ -62,8 +62,16 @@ CASES = {"one_device": {}, "one_device_stagger": {"batch_split_stagger": True},
 MESHES = {"ep8": MeshConfig(expert=8), "dp2xep4": MeshConfig(data=2, expert=4)}
 
 
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("farskip", [False, True], ids=["regular", "farskip"])
+# The default suite runs every option once with FarSkip and the plain layouts with both
+# connectivities; the regular-connectivity repeats of the options are `slow` (CI time budget).
+SLOW = {(False, "one_device_stagger"), (False, "ep8_stagger"), (False, "ep8_remat"), (False, "dp2xep4"),
+        (True, "one_device_stagger")}
+
+
+@pytest.mark.parametrize("farskip, case", [
+    pytest.param(f, c, id=f"{'farskip' if f else 'regular'}-{c}",
+                 marks=[pytest.mark.slow] if (f, c) in SLOW else [])
+    for c in CASES for f in (False, True)])
 def test_batch_split_equals_unsplit(data, case, farskip):
     ids, w = data
     base = _cfg(farskip, **CASES[case])
