@@ -29,34 +29,42 @@ def _comm_colour(role: str | None) -> str:
     return _COMM_COLOURS.get(role or "", _OTHER)
 
 
+MIN_WINDOW_OP_US = 0.05  # ops shorter than this do not place the layer window
+WINDOW_TRIM = 0.05  # share of the two layers' compute time left out at either end of the window
+
+
 def layer_window(events: list[dict[str, Any]], direction: str
                  ) -> tuple[float, float, tuple[int, int]] | None:
     """(start, end, (k, k+1)) of two consecutive middle layers in one pass, or None.
 
-    Layers come from the ops' named scopes (``layer_N``). The window runs from the first event of
-    either layer to the last one of either, within the first stretch of the pass that stays among
-    layers k-1..k+2: FarSkip interleaves a layer's tail with the next layer's head, the backward
-    visits the layers in reverse, and a micro-batch loop replays the whole stack (the first replay
-    is drawn). The forward window closes where the backward starts (``phase_split``).
+    Layers come from the student's ops' named scopes (``layer_N``; the teacher's, under
+    ``teacher``, interleave with them in an FCSD step). The window spans the central 90% of the two
+    layers' compute time in the pass: XLA hoists a layer's independent ops (weight casts, iotas)
+    far ahead of the layer, and those would stretch the window over unrelated layers. The forward
+    window closes where the backward starts (``phase_split``).
     """
     split = phase_split(events)
-    tagged = sorted((e for e in events if e["args"].get("layer") is not None
-                     and e["args"].get("direction") == direction
-                     and ((e["ts"] < split) if direction == "fwd" else (e["ts"] >= split))),
-                    key=lambda e: e["ts"])
+    tagged = [e for e in events if e["args"].get("layer") is not None
+              and e["args"].get("direction") == direction and e["dur"] >= MIN_WINDOW_OP_US
+              and "teacher" not in e["args"].get("op_name", "")
+              and ((e["ts"] < split) if direction == "fwd" else (e["ts"] >= split))]
     layers = sorted({e["args"]["layer"] for e in tagged})
     pairs = [(a, b) for a, b in zip(layers, layers[1:], strict=False) if b == a + 1]
     if not pairs:
         return None
     k, k1 = pairs[len(pairs) // 2]  # of 3 layers (dense first): the two MoE layers
+    ops = sorted((e for e in tagged if e["args"]["layer"] in (k, k1)), key=lambda e: e["ts"])
+    total = sum(e["dur"] for e in ops)
     start = end = None
-    for e in tagged:
-        layer = e["args"]["layer"]
-        if start is not None and not k - 1 <= layer <= k1 + 1:
-            break
-        if layer in (k, k1):
-            start = e["ts"] if start is None else start
+    done = 0.0
+    for e in ops:
+        done += e["dur"]
+        if start is None and done >= WINDOW_TRIM * total:
+            start = e["ts"]
+        if start is not None:
             end = max(end or 0.0, e["ts"] + e["dur"])
+        if done >= (1 - WINDOW_TRIM) * total:
+            break
     return (start, end, (k, k1)) if start is not None and end > start else None
 
 

@@ -190,3 +190,20 @@ def test_in_place_update_of_a_donated_buffer_moves_only_its_updates() -> None:
     small = 64 * 512 * 4 + 64 * 2 * 4
     assert hlo.instr_bytes(main, main.by_name["written"], mod) == 2 * small
     assert hlo.instr_bytes(main, main.by_name["rewritten"], mod) == 2 * 64 * 4096 * 512 * 4 + small
+
+
+def test_timeline_window_ignores_hoisted_ops_and_the_teacher() -> None:
+    """The drawn window covers where layers k, k+1 really run: not a weight cast or iota XLA hoisted
+    to the start of the program, nor the teacher's layers interleaved with the student's."""
+    from farskip_jax.inspect.plot import layer_window
+
+    def op(ts: float, dur: float, layer: int, scope: str = "") -> dict:
+        return {"name": "f", "lane": "compute", "ts": ts, "dur": dur,
+                "args": {"layer": layer, "direction": "fwd", "op_name": f"jit(step)/{scope}layer_{layer}/x"}}
+
+    events = [op(0.0, 0.001, 2), op(0.5, 3.0, 2)]  # a hoisted iota and a hoisted weight cast of layer 2
+    events += [op(10.0 + 10 * i, 10.0, i) for i in range(5)]  # layers 0..4 at 10, 20, ..., 50
+    events += [op(35.0, 2.0, 2, "teacher/"), op(36.0, 2.0, 0, "teacher/")]
+    start, end, (k, k1) = layer_window(events, "fwd")
+    assert (k, k1) == (2, 3)
+    assert 30.0 <= start < 31.0 and 49.0 < end <= 50.0
