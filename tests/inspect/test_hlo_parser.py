@@ -201,7 +201,7 @@ def test_timeline_window_ignores_hoisted_ops_and_the_teacher() -> None:
         return {"name": "f", "lane": "compute", "ts": ts, "dur": dur,
                 "args": {"layer": layer, "direction": "fwd", "op_name": f"jit(step)/{scope}layer_{layer}/x"}}
 
-    events = [op(0.0, 0.001, 2), op(0.5, 3.0, 2)]  # a hoisted iota and a hoisted weight cast of layer 2
+    events = [op(0.0, 0.001, 2), op(0.5, 0.4, 2)]  # a hoisted iota and a hoisted weight cast of layer 2
     events += [op(10.0 + 10 * i, 10.0, i) for i in range(5)]  # layers 0..4 at 10, 20, ..., 50
     events += [op(35.0, 2.0, 2, "teacher/"), op(36.0, 2.0, 0, "teacher/")]
     start, end, (k, k1) = layer_window(events, "fwd")
