@@ -57,3 +57,19 @@ def compile_with_profile(step: Any, args: tuple, gpu: str, profile_dir: Path, cf
     log.info("train.pgle: %d instruction costs in %s (checker: %s)", res.num_costs, res.profile_path,
              res.checker)
     return res.artifacts.executable
+
+
+def scheduled_train_step(step: Any, args: tuple, gpu: str, profile_dir: Path, cfg: Config,
+                         seqs_per_device: int) -> Callable[..., Any]:
+    """`compile_with_profile`, except that under `train.pgle: auto` a failure of the profile compile
+    (an XLA that rejects the profile, a dump it does not write) costs the overlap, not the run: the
+    plain step is returned with a warning naming the error. `synthetic` (asked for) raises it."""
+    try:
+        return compile_with_profile(step, args, gpu, profile_dir, cfg, seqs_per_device)
+    except Exception as e:  # noqa: BLE001 - any failure of this optional optimisation
+        if cfg.train.pgle == "synthetic":
+            raise
+        log.warning("train.pgle=auto: the synthetic PGLE compile failed (%s: %.300s); training with "
+                    "XLA's own schedule. Set train.pgle=off to skip the attempt.", type(e).__name__, e)
+        return step
+

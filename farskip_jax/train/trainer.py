@@ -280,7 +280,7 @@ class Trainer:
                 scale = jnp.float32(jnp.nan if self.step in nan_steps else 1.0)
                 batch = self.data.to_device(host)
                 if self.pgle_target is not None:
-                    self.train_step = scheduled_step.compile_with_profile(
+                    self.train_step = scheduled_step.scheduled_train_step(
                         self.train_step, (self.state, self.models.teacher_params, batch, scale),
                         self.pgle_target, self.out / "pgle", self.cfg,
                         host["input_ids"].shape[1] * jax.process_count() // batch_devices(self.mesh))

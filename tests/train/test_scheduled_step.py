@@ -63,3 +63,21 @@ def test_trainer_runs_the_profile_compiled_step(tiny_data, overrides, tmp_path, 
     trainer_mod.Trainer(cfg).run()
     assert len(_losses(tmp_path / "plain")) == 4
     assert _losses(tmp_path / "pgle") == _losses(tmp_path / "plain")  # the same program's values
+
+
+def test_auto_falls_back_to_the_plain_step_when_the_profile_compile_fails(tiny_data, overrides, tmp_path,
+                                                                          monkeypatch, caplog):
+    def broken(*_args, **_kw):
+        raise RuntimeError("XLA wrote no dump after legalize-scheduling-annotations")
+
+    monkeypatch.setattr(pgle, "compile_with_synthetic_pgle", broken)
+    monkeypatch.setattr(scheduled_step, "detect_local_target", lambda: "mi300x")
+    cfg = load_config("tiny_farskip", overrides(tiny_data, tmp_path / "auto", **STEPS))
+    with caplog.at_level("WARNING"):
+        summary = trainer_mod.Trainer(cfg).run()
+    assert summary["steps"] == 4 and "training with XLA's own schedule" in caplog.text
+    asked = {**STEPS, "train.pgle": "synthetic"}
+    cfg = load_config("tiny_farskip", overrides(tiny_data, tmp_path / "asked", **asked))
+    with pytest.raises(RuntimeError, match="no dump"):
+        trainer_mod.Trainer(cfg).run()
+
