@@ -221,7 +221,11 @@ FARSKIP_EXPORTS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(FARSKIP_EXPORTS))
+SLOW_EXPORTS = ("range_1_1", "mlp_only")  # the other two cover both streams; these run with -m slow
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW_EXPORTS else [])
+                                  for n in sorted(FARSKIP_EXPORTS)])
 def test_farskip_export_runs_farskip_in_transformers(name, orbax_dir, hf_logits, tmp_path, monkeypatch):
     """An exported FarSkip model carries its modeling file: transformers with trust_remote_code runs
     FarSkip (logits equal ours), while the stock class on the same directory runs the regular model."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import jax.numpy as jnp
 import pytest
 
 from farskip_jax.config import load_config
@@ -76,8 +77,8 @@ def test_auto_falls_back_to_the_plain_step_when_the_profile_compile_fails(tiny_d
     with caplog.at_level("WARNING"):
         summary = trainer_mod.Trainer(cfg).run()
     assert summary["steps"] == 4 and "training with XLA's own schedule" in caplog.text
-    asked = {**STEPS, "train.pgle": "synthetic"}
-    cfg = load_config("tiny_farskip", overrides(tiny_data, tmp_path / "asked", **asked))
-    with pytest.raises(RuntimeError, match="no dump"):
-        trainer_mod.Trainer(cfg).run()
+    asked = load_config("tiny_farskip", overrides(tiny_data, tmp_path, **{"train.pgle": "synthetic"}))
+    with pytest.raises(RuntimeError, match="no dump"):  # asked for explicitly: no silent fallback
+        batch = {"input_ids": jnp.zeros((1, 8, 16), jnp.int32)}
+        scheduled_step.scheduled_train_step(None, (None, None, batch, None), "mi300x", tmp_path, asked, 1)
 
