@@ -25,13 +25,14 @@ import numpy as np
 
 from farskip_jax.cli_logits import (
     CliError,
+    add_farskip_args,
     check_devices,
     check_layout,
     farskip_overrides,
     parse_mesh,
     provide_host_devices,
 )
-from farskip_jax.errors import cli_main
+from farskip_jax.errors import cli_main, jsonl_values
 from farskip_jax.xla_flags import apply_default_xla_flags, detect_local_target
 
 DESCRIPTION = """\
@@ -75,12 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop token id (repeatable; default: the checkpoint's eos_token_id)")
     p.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json (default: CHECKPOINT/tokenizer.json)")
     p.add_argument("--no-chat-template", action="store_true", help="tokenize text prompts as they are")
-    p.add_argument("--farskip", choices=("on", "off"), default=None,
-                   help="override the checkpoint's FarSkip switch")
-    p.add_argument("--farskip-range", default=None, metavar="START:END",
-                   help="inclusive FarSkip layer range, e.g. 1:26 (implies --farskip on)")
-    p.add_argument("--farskip-mode", choices=("both", "attn_only", "mlp_only"), default=None,
-                   help="which sub-block reads stale inputs (default: as in the checkpoint)")
+    add_farskip_args(p)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="parameter, activation and cache dtype (default float32)")
     p.add_argument("--mesh", default=None, metavar="tensor=N", help="tensor parallel over N devices")
@@ -160,13 +156,7 @@ def read_prompt_file(path: Path) -> list[str | list[dict[str, str]]]:
     if not path.is_file():
         raise CliError(f"--prompt-file {path}: no such file")
     prompts: list[str | list[dict[str, str]]] = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise CliError(f"--prompt-file {path}:{n}: not JSON ({e.msg})") from None
+    for n, rec in jsonl_values(path, f"--prompt-file {path}"):
         if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
             prompts.append(rec["prompt"])
         elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):

@@ -80,18 +80,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="integer token ids, shape [batch, seq]")
     p.add_argument("--out", required=True, metavar="LOGITS.npy",
                    help="where to write float32 logits [batch, seq, vocab]")
-    p.add_argument("--farskip", choices=("on", "off"), default=None,
-                   help="override config.json's FarSkip switch (default: as in config.json)")
-    p.add_argument("--farskip-range", default=None, metavar="START:END",
-                   help="inclusive FarSkip layer range, e.g. 0:26, ':10', '5:' (implies --farskip on)")
-    p.add_argument("--farskip-mode", choices=("both", "attn_only", "mlp_only"), default=None,
-                   help="which sub-block reads stale inputs (default: as in config.json, else both)")
+    add_farskip_args(p)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="parameter and compute dtype (default float32); output is always float32")
     p.add_argument("--mesh", default=None, metavar="AXIS=N[,AXIS=N]",
                    help="run sharded: expert=8, data=2,expert=4 (expert parallel) or tensor=8 (tensor "
                         "parallel); default: one device")
     return p
+
+
+def add_farskip_args(p: argparse.ArgumentParser) -> None:
+    """--farskip, --farskip-range, --farskip-mode (read back by `farskip_overrides`)."""
+    p.add_argument("--farskip", choices=("on", "off"), default=None,
+                   help="override the checkpoint's FarSkip switch (default: as in its config)")
+    p.add_argument("--farskip-range", default=None, metavar="START:END",
+                   help="inclusive FarSkip layer range, e.g. 0:26, ':10', '5:' (implies --farskip on)")
+    p.add_argument("--farskip-mode", choices=("both", "attn_only", "mlp_only"), default=None,
+                   help="which sub-block reads stale inputs (default: as in the config, else both)")
 
 
 def parse_mesh(text: str) -> MeshConfig:

@@ -10,9 +10,11 @@ keeps its traceback.
 from __future__ import annotations
 
 import functools
+import json
 import sys
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
 
 
 class UserError(Exception):
@@ -40,3 +42,16 @@ def cli_main(fn: Callable[[Sequence[str] | None], int | None]) -> Callable[[Sequ
             return 2
 
     return wrapper
+
+
+def jsonl_values(path: Path, label: str) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed value) for every non-blank line of a JSONL file; a line that is not
+    JSON is a UserError naming `label:line`."""
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield n, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{label}:{n}: not JSON ({e.msg})") from None
+

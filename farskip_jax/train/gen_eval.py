@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
 import os
 import re
 import signal
@@ -33,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from farskip_jax.config import GenEvalConfig, ModelConfig
-from farskip_jax.errors import UserError
+from farskip_jax.errors import UserError, jsonl_values
 
 # Prepended to every program: its limits, then no network (best effort, see the module
 # docstring). Set by the program itself rather than in a preexec_fn, which would fork the
@@ -65,13 +64,7 @@ def load_tasks(path: str | Path, limit: int | None = None) -> tuple[str, list[Ta
         raise UserError(f"train.gen_eval.path: {p} does not exist")
     tasks: list[Task] = []
     kinds = set()
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{p}:{n}: not JSON ({e.msg})") from None
+    for n, rec in jsonl_values(p, str(p)):
         if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
             raise UserError(f"{p}:{n}: expected an object with a string 'prompt'")
         if isinstance(rec.get("answer"), str):
