@@ -191,15 +191,6 @@ def load_prompt_ids(path: Path, vocab: int) -> np.ndarray:
     return ids.astype(np.int32)
 
 
-def pad_prompts(rows: list[list[int]]) -> np.ndarray:
-    from farskip_jax.generation import PAD
-
-    out = np.full((len(rows), max(map(len, rows))), PAD, np.int32)
-    for b, r in enumerate(rows):
-        out[b, : len(r)] = r
-    return out
-
-
 # --------------------------------------------------------------------------------------------
 
 
@@ -265,6 +256,8 @@ def run(args: argparse.Namespace) -> np.ndarray:
             raise CliError(f"text prompts need a tokenizer: no {tok_path}; pass --tokenizer PATH or "
                            "--prompt-ids")
         texts = [args.prompt] if args.prompt is not None else read_prompt_file(Path(args.prompt_file))
+        from farskip_jax.generation import pad_prompts
+
         prompts = pad_prompts([codec.encode(t) for t in texts])
     eos = args.eos_id if args.eos_id is not None else checkpoint_eos_ids(ckpt)
 

@@ -60,6 +60,14 @@ def pick(logits_bv: jax.Array, temperature: float, top_p: float, key: jax.Array)
     return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
 
 
+def pad_prompts(rows: Sequence[Sequence[int]]) -> np.ndarray:
+    """Token-id rows of different lengths as one int32 [B, max length] array, right-padded with PAD."""
+    out = np.full((len(rows), max(map(len, rows))), PAD, np.int32)
+    for b, r in enumerate(rows):
+        out[b, : len(r)] = r
+    return out
+
+
 def prompt_lengths(prompts: np.ndarray) -> np.ndarray:
     """Tokens per row of a right-padded [B, P] prompt array; raises ValueError on an empty row or a
     token after padding."""

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 
 from farskip_jax.config import GenEvalConfig, ModelConfig
@@ -158,17 +157,14 @@ class GenerationEval:
         return ids
 
     def __call__(self, params: nnx.State) -> dict[str, float]:
-        from farskip_jax.generation import PAD
+        from farskip_jax.generation import PAD, pad_prompts
 
         self.generator.load(params)
         completions: list[str] = []
         n = self.cfg.batch_size
         for i in range(0, len(self.prompts), n):
             rows = self.prompts[i : i + n]
-            ids = np.full((len(rows), max(map(len, rows))), PAD, np.int32)
-            for b, r in enumerate(rows):
-                ids[b, : len(r)] = r
-            out = self.generator.generate(ids, self.cfg.max_new_tokens, eos_ids=self.eos_ids)
+            out = self.generator.generate(pad_prompts(rows), self.cfg.max_new_tokens, eos_ids=self.eos_ids)
             for b, r in enumerate(rows):
                 new = [int(t) for t in out[b, len(r) :] if t != PAD and int(t) not in self.eos_ids]
                 completions.append(self.tok.decode(new, skip_special_tokens=True))
