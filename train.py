@@ -5,6 +5,8 @@
   python train.py --config tiny_farskip --resume
   python train.py --config tiny_farskip --precompute-teacher cache/   # then --set train.teacher_cache=cache/
   python train.py --config tiny_farskip --help                        # also lists every config key
+  python -m farskip_jax.launch --processes 2 --cpu-devices 4 -- train.py --config tiny_farskip ...
+                                                                      # multi-process (README "Multi-node")
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import logging
 import sys
 
+from farskip_jax import distributed
 from farskip_jax.config import ConfigError, load_config, parse_overrides, to_dict
 from farskip_jax.errors import cli_main
 
@@ -69,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the first compile (auto: from /dev/kfd or /dev/nvidia*); flags already in "
                         "XLA_FLAGS win")
     p.add_argument("--log-level", default="WARNING", help="Python logging level (default WARNING)")
+    distributed.add_distributed_args(p)
     return p
 
 
@@ -91,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         target = detect_local_target() if args.xla_flags == "auto" else args.xla_flags
         added = apply_default_xla_flags(target)
         logging.info("XLA flags added for %s: %s", target, " ".join(added) or "none")
+    if distributed.initialize(args) is not None:  # multi-process runs only; before the first JAX computation
+        distributed.quiet_other_processes()
     if cfg.demo:  # a config with a `demo:` section (configs/tiny_demo.yaml) runs the embedded demo
         from farskip_jax.demo import run_demo
 
@@ -100,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.precompute_teacher:
         gap = trainer.precompute_teacher(cfg, args.precompute_teacher)
+        if not distributed.is_main_process():
+            return 0
         print("teacher cache written to", args.precompute_teacher)
         print(f"initial-student KL on eval batches: full teacher {gap['kl_full']:.6g}, top-{gap['k']} + tail "
               f"{gap['kl_topk_tail']:.6g}, |diff| {gap['abs_diff']:.3g} ({gap['rel_diff']:.2%})")
@@ -109,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     except trainer.NonFiniteError as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 3
-    print(json.dumps(summary, indent=1))
+    if distributed.is_main_process():
+        print(json.dumps(summary, indent=1))
     return 0
 
 

@@ -28,8 +28,18 @@ Layout = Literal["ep", "tp"]
 
 
 def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
-    """A (data, expert, tensor) mesh over the first `cfg.num_devices` devices."""
+    """A (data, expert, tensor) mesh over the first `cfg.num_devices` devices, ordered by (process,
+    device id) and filled innermost axis first.
+
+    Multi-process (one process per node): `tensor` varies fastest, then `expert`, then `data`, so a
+    tensor group, and an expert group of up to a node's devices, stays inside one node and their
+    collectives stay on the node's fabric (xGMI / NVLink); only `data` (the gradient all-reduce) and
+    an expert axis larger than a node cross the network. The batch axes are process-major as well:
+    process p holds a contiguous block of the batch rows, which is what its data loader reads
+    (train/batches.py).
+    """
     devices = list(jax.devices() if devices is None else devices)
+    devices.sort(key=lambda d: (d.process_index, d.id))
     n = cfg.num_devices
     if n > len(devices):
         raise ValueError(f"mesh data={cfg.data} x expert={cfg.expert} x tensor={cfg.tensor} needs {n} "

@@ -1,11 +1,20 @@
-"""Training and evaluation batches: the grain pipeline of `cfg.data`, placed on the mesh.
+"""Training and evaluation batches: the grain pipelines of `cfg.data`, placed on the mesh.
 
-`data.batch_size` is the per-process micro-batch; A = `train.grad_accum_steps` micro-batches make
-one [A, B, T] step batch, sharded over (data, expert) on B.
+`data.batch_size` is the global micro-batch B (all processes together); A = `train.grad_accum_steps`
+micro-batches make one [A, B, T] step batch, sharded over (data, expert) on B.
+
+Read shards: the records are split into R = `data.read_shards` strided shards (default: one per
+process), each an independent grain pipeline (shuffle, packing, iterator state) giving B / R rows
+per micro-batch. The global micro-batch is shard 0's rows, then shard 1's, and so on, and a process
+runs the R / P shards whose rows live on its devices (the mesh is process-major on the batch axes,
+parallel/mesh.py). So the batches are a function of R alone: 2 processes x 4 devices and 1 process x
+8 devices with the same R train on the same rows in the same order, and a checkpoint's data state
+(one iterator state per shard) resumes under any process count that divides R.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 from pathlib import Path
 from typing import Any
@@ -19,7 +28,7 @@ from farskip_jax.data import ChatTemplate, DataConfig, build_pipeline
 from farskip_jax.errors import UserError
 
 # cfg.data keys the trainer owns; the rest are DataConfig fields.
-TRAINER_DATA_KEYS = ("eval_paths",)
+TRAINER_DATA_KEYS = ("eval_paths", "read_shards")
 
 
 def data_config(cfg: Config, paths_key: str = "paths") -> DataConfig:
@@ -55,32 +64,90 @@ def check_data_files(cfg: Config) -> None:
 
 
 class BatchStream:
-    """Global [A, B, T] step batches from this process's grain iterator, placed with `sharding`."""
+    """Global [A, B, T] step batches; this process holds the iterators of its read shards (module
+    docstring) and gives its rows of each batch, placed with `sharding` by `to_device`."""
 
-    def __init__(self, cfg: Config, sharding: NamedSharding, accum: int, paths_key: str = "paths"):
-        self.pipeline = build_pipeline(data_config(cfg, paths_key), process_index=jax.process_index(),
-                                       process_count=jax.process_count())
-        self.iterator = iter(self.pipeline)
+    def __init__(self, cfg: Config, sharding: NamedSharding, accum: int, paths_key: str = "paths", *,
+                 process_index: int | None = None, process_count: int | None = None):
+        self.dcfg = data_config(cfg, paths_key)
+        self.paths_key = paths_key
+        self.process_index = jax.process_index() if process_index is None else process_index
+        self.process_count = jax.process_count() if process_count is None else process_count
+        self.pinned_shards: int | None = cfg.data.get("read_shards")
         self.accum = accum
         self.sharding = sharding
+        self._open(self.pinned_shards or self.process_count)
+
+    def _open(self, read_shards: int) -> None:
+        """Builds this process's shard pipelines for `read_shards` shards."""
+        b, p = self.dcfg.batch_size, self.process_count
+        if not isinstance(read_shards, int) or read_shards < 1:
+            raise UserError(f"data.read_shards must be an int >= 1 (or null: one per process), got {read_shards!r}")
+        if read_shards % p:
+            raise UserError(f"data.read_shards={read_shards} cannot be split over {p} processes; use a multiple "
+                            f"of {p}, e.g. --set data.read_shards={p * max(1, read_shards // p)}")
+        if b % read_shards:
+            raise UserError(f"data.batch_size={b} (the global micro-batch) is not divisible by "
+                            f"data.read_shards={read_shards}; each read shard gives batch_size / read_shards rows")
+        per_process = read_shards // p
+        self.read_shards = read_shards
+        self.local_shards = list(range(self.process_index * per_process, (self.process_index + 1) * per_process))
+        shard_cfg = dataclasses.replace(self.dcfg, batch_size=b // read_shards)
+        self.pipelines = {s: build_pipeline(shard_cfg, process_index=s, process_count=read_shards)
+                          for s in self.local_shards}
+        self.iterators = {s: iter(pl) for s, pl in self.pipelines.items()}
+
+    def _micro_batch(self) -> dict[str, np.ndarray]:
+        parts = [next(self.iterators[s]) for s in self.local_shards]
+        return {k: np.concatenate([np.asarray(m[k]) for m in parts]) for k in parts[0]}
 
     def next_host(self) -> dict[str, np.ndarray]:
-        mbs = [next(self.iterator) for _ in range(self.accum)]
-        return {k: np.stack([np.asarray(m[k]) for m in mbs]) for k in mbs[0]}
+        mbs = [self._micro_batch() for _ in range(self.accum)]
+        return {k: np.stack([m[k] for m in mbs]) for k in mbs[0]}
 
     def to_device(self, host: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         return to_device(host, self.sharding)
 
-    def get_state(self) -> Any:
-        return self.iterator.get_state()
+    def get_state(self) -> dict[str, Any]:
+        """This process's part of the data state: {"read_shards": R, "shards": {shard: iterator state}}
+        (the trainer merges every process's part into the checkpoint)."""
+        return {"read_shards": self.read_shards,
+                "shards": {str(s): self.iterators[s].get_state() for s in self.local_shards}}
 
     def set_state(self, state: Any) -> None:
-        self.iterator.set_state(state)
+        """Restores the iterators of this process's shards from a (merged) data state."""
+        if not (isinstance(state, dict) and "read_shards" in state):
+            state = {"read_shards": 1, "shards": {"0": state}}  # written before read shards existed
+        saved = int(state["read_shards"])
+        if self.pinned_shards is not None and self.pinned_shards != saved:
+            raise UserError(f"the checkpoint's data order has {saved} read shards but the config sets "
+                            f"data.read_shards={self.pinned_shards}; resume with --set data.read_shards={saved} "
+                            "(changing it would reshuffle the data mid-run)")
+        if saved != self.read_shards:
+            try:
+                self._open(saved)
+            except UserError as e:
+                raise UserError(f"cannot resume the checkpoint's data order on {self.process_count} "
+                                f"process(es): {e}") from None
+        missing = [s for s in self.local_shards if str(s) not in state["shards"]]
+        if missing:
+            raise UserError(f"the checkpoint's data state lacks read shard(s) {missing} of {saved}")
+        for s in self.local_shards:
+            self.iterators[s].set_state(state["shards"][str(s)])
 
 
 def to_device(host: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
     """This process's rows of a batch, assembled into global arrays in `sharding`."""
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in host.items()}
+
+
+def local_rows(x: jax.Array) -> np.ndarray:
+    """This process's rows (leading axis) of a batch-sharded global array, in order: the inverse of
+    `to_device` (the whole array in a single-process run)."""
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    by_start = {s.index[0].start or 0: s for s in x.addressable_shards}  # replicas share a start
+    return np.concatenate([np.asarray(by_start[k].data) for k in sorted(by_start)])
 
 
 def eval_batches(cfg: Config, sharding: NamedSharding) -> list[dict[str, np.ndarray]] | None:

@@ -2,6 +2,7 @@
 
 Test hooks (environment variables, read once per run; they exist so tests can crash a real process):
   FARSKIP_TEST_KILL_AFTER_CHECKPOINT=N  SIGKILL this process right after the checkpoint of step N is on disk
+  FARSKIP_TEST_KILL_PROCESS=I           ... only process I of a multi-process run (default: every process)
   FARSKIP_TEST_NAN_STEPS=3,4            poison the loss (NaN) at these 0-based steps
 """
 
@@ -23,6 +24,7 @@ from flax import nnx
 
 from farskip_jax.checkpoint.manager import CheckpointManager
 from farskip_jax.config import Config, to_dict
+from farskip_jax.distributed import allgather_json
 from farskip_jax.errors import UserError
 from farskip_jax.train import batches, scheduled_step, setup
 from farskip_jax.train.early_stop import EarlyStopper
@@ -142,9 +144,15 @@ class Trainer:
     def _pure_params(self) -> dict:
         return nnx.to_pure_dict(self.state["params"])
 
+    def _data_state(self) -> dict[str, Any]:
+        """Every read shard's iterator state, from all processes (process 0 writes the meta item)."""
+        parts = allgather_json(_to_jsonable(self.data.get_state()))
+        return {"read_shards": parts[0]["read_shards"],
+                "shards": {k: v for part in parts for k, v in part["shards"].items()}}
+
     def _meta(self) -> dict[str, Any]:
         return {"step": self.step, "rng": np.asarray(self.rng).tolist(),
-                "data_state": _to_jsonable(self.data.get_state()), "early_stop": self.stopper.state(),
+                "data_state": self._data_state(), "early_stop": self.stopper.state(),
                 "loss_ema": self.loss_ema, "counts": dict(self.counts), "config": to_dict(self.cfg)}
 
     def save(self, eval_metric: float | None = None) -> None:
@@ -265,6 +273,8 @@ class Trainer:
                             "pass --resume to continue from the newest, or set train.output_dir to a new "
                             "directory")
         kill_after = _env_steps("FARSKIP_TEST_KILL_AFTER_CHECKPOINT")
+        if os.environ.get("FARSKIP_TEST_KILL_PROCESS", str(jax.process_index())) != str(jax.process_index()):
+            kill_after = set()
         nan_steps = _env_steps("FARSKIP_TEST_NAN_STEPS")
         mlog = MetricsLog(self.out, self.step)
         if jax.process_index() == 0:
@@ -382,7 +392,7 @@ def precompute_teacher(cfg: Config, out_dir: str) -> dict[str, float]:
 
     def run(host: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         logp, ids = topk(models.teacher_params, batches.to_device(host, program.eval_batch_sharding))
-        return np.asarray(jax.device_get(logp)), np.asarray(jax.device_get(ids))
+        return batches.local_rows(logp), batches.local_rows(ids)
 
     for step in tqdm(range(tc.total_steps), desc="teacher top-k", disable=jax.process_index() != 0):
         host = data.next_host()
