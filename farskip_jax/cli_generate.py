@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from farskip_jax import distributed
 from farskip_jax.cli_logits import (
     CliError,
     add_farskip_args,
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parameter, activation and cache dtype (default float32)")
     p.add_argument("--mesh", default=None, metavar="tensor=N", help="tensor parallel over N devices")
     p.add_argument("--out", default=None, metavar="OUT.npy|OUT.jsonl", help="also write the results")
+    distributed.add_distributed_args(p)
     return p
 
 
@@ -221,6 +223,9 @@ def run(args: argparse.Namespace) -> np.ndarray:
     if not ckpt.is_dir():
         raise CliError(f"--checkpoint {ckpt}: no such directory (an HF checkpoint or a converted Orbax one)")
     mesh = parse_mesh(args.mesh) if args.mesh is not None else None
+    # A multi-process run (one process per node) generates over a mesh of every process's devices;
+    # each process runs the same prompts and process 0 alone prints and writes.
+    distributed.initialize(args)
     if mesh is not None:
         if mesh.tensor == 1:
             raise CliError(f"--mesh {args.mesh}: generate runs tensor parallel only, e.g. --mesh tensor=8")
@@ -271,8 +276,11 @@ def run(args: argparse.Namespace) -> np.ndarray:
 
         jmesh = make_mesh(mesh)
     printer = Printer(codec, prompts.shape[0])
+    main_process = distributed.is_main_process()
     out = Generator(model, mesh=jmesh).generate(prompts, args.max_new_tokens, eos_ids=eos, sampling=sampling,
-                                                on_step=printer.step)
+                                                on_step=printer.step if main_process else None)
+    if not main_process:
+        return out
     lengths = prompt_lengths(prompts)
     completions = [[int(t) for t in out[b, lengths[b] :] if t != PAD] for b in range(out.shape[0])]
     if printer.stream:

@@ -69,7 +69,8 @@ def _status(code: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if not args.command:
-        raise SystemExit("error: no command to launch; put it after --, e.g. -- train.py --config tiny_farskip")
+        raise SystemExit("error: no command to launch; put it after --, e.g. "
+                         "-- train.py --config tiny_farskip")
     port = args.port or free_port()
     cmd = _command(args.command)
     procs: list[subprocess.Popen] = []

@@ -104,12 +104,12 @@ def restore_group(path: Path, group: dict, dtype: Any, sharding_fn: Callable[[tu
 
 
 def sharding_fn(shardings: Any, cfg: ModelConfig) -> Callable[[tuple], Any]:
-    """path -> sharding from None (the first device), a Mesh (EP layout), a pure dict of shardings
-    like the parameter tree, or a callable."""
+    """path -> sharding from None (this process's first device), a Mesh (EP layout), a pure dict of
+    shardings like the parameter tree, or a callable."""
     from jax.sharding import Mesh
 
     if shardings is None:
-        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         return lambda path: one
     if isinstance(shardings, Mesh):
         shardings = model_shardings(cfg, shardings)

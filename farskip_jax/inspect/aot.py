@@ -80,7 +80,7 @@ def make_target_mesh(target: str, mesh_shape: dict[str, int]) -> jax.sharding.Me
     names, sizes = tuple(mesh_shape), tuple(mesh_shape.values())
     n = math.prod(sizes)
     if target == "local":
-        devs = jax.devices()
+        devs = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))  # as parallel.make_mesh
         if len(devs) < n:
             raise ValueError(f"mesh {mesh_shape} needs {n} devices, have {len(devs)}")
         return jax.make_mesh(sizes, names, devices=devs[:n])

@@ -14,12 +14,14 @@ import argparse
 import contextlib
 import gzip
 import json
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from farskip_jax import distributed
 from farskip_jax.errors import UserError, cli_main
 from farskip_jax.xla_flags import PSUM_COMBINE_OFF
 
@@ -242,6 +244,7 @@ def _build_parser() -> argparse.ArgumentParser:
                         "row. Padded GEMMs and exchanges really move their whole buffers and are "
                         "priced in full either way")
     add_inspect_args(p)
+    distributed.add_distributed_args(p)  # --target local only
     p.set_defaults(modes=None)
     return p
 
@@ -250,6 +253,11 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m farskip_jax inspect --config dsv2lite_farskip --target h200 --mode train ...`."""
     args = _build_parser().parse_args(argv)
+    joined = args.target == "local" and distributed.initialize(args) is not None
+    if joined and not distributed.is_main_process():
+        # Every process of a multi-process run compiles the same program (as it would to run it);
+        # process 0 alone writes the reports.
+        args.out = tempfile.mkdtemp(prefix="farskip_inspect_")
     from farskip_jax.config import load_config, parse_overrides
 
     cfg = load_config(args.config, parse_overrides(args.overrides))

@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
@@ -466,5 +467,15 @@ def tp_cached_forward(graphdef: nnx.GraphDef, state_like: Any, mesh: Mesh, prefi
 def place(state: Any, mesh: Mesh, layout: str) -> Any:
     """Puts every parameter of `state` on `mesh` with its layout's sharding."""
     specs = param_specs_tree(state, layout)
-    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), state, specs,
+    return jax.tree.map(lambda x, s: put(x, NamedSharding(mesh, s)), state, specs,
                         is_leaf=lambda x: isinstance(x, P))
+
+
+def put(x: Any, sharding: NamedSharding) -> jax.Array:
+    """`x` in `sharding`. A value this process holds whole (numpy, or an array on its own devices)
+    going onto a mesh that spans processes is sliced here into this process's shards: a multi-process
+    run loads every parameter on every process, and backends move no data between hosts in device_put."""
+    if sharding.is_fully_addressable or not getattr(x, "is_fully_addressable", True):
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])

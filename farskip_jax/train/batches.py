@@ -82,16 +82,19 @@ class BatchStream:
         """Builds this process's shard pipelines for `read_shards` shards."""
         b, p = self.dcfg.batch_size, self.process_count
         if not isinstance(read_shards, int) or read_shards < 1:
-            raise UserError(f"data.read_shards must be an int >= 1 (or null: one per process), got {read_shards!r}")
+            raise UserError("data.read_shards must be an int >= 1 (or null: one per process), "
+                            f"got {read_shards!r}")
         if read_shards % p:
-            raise UserError(f"data.read_shards={read_shards} cannot be split over {p} processes; use a multiple "
-                            f"of {p}, e.g. --set data.read_shards={p * max(1, read_shards // p)}")
+            raise UserError(f"data.read_shards={read_shards} cannot be split over {p} processes; use a "
+                            f"multiple of {p}, e.g. --set data.read_shards={p * max(1, read_shards // p)}")
         if b % read_shards:
             raise UserError(f"data.batch_size={b} (the global micro-batch) is not divisible by "
-                            f"data.read_shards={read_shards}; each read shard gives batch_size / read_shards rows")
+                            f"data.read_shards={read_shards}; each read shard gives batch_size / read_shards "
+                            "rows")
         per_process = read_shards // p
         self.read_shards = read_shards
-        self.local_shards = list(range(self.process_index * per_process, (self.process_index + 1) * per_process))
+        first = self.process_index * per_process
+        self.local_shards = list(range(first, first + per_process))
         shard_cfg = dataclasses.replace(self.dcfg, batch_size=b // read_shards)
         self.pipelines = {s: build_pipeline(shard_cfg, process_index=s, process_count=read_shards)
                           for s in self.local_shards}
@@ -121,8 +124,8 @@ class BatchStream:
         saved = int(state["read_shards"])
         if self.pinned_shards is not None and self.pinned_shards != saved:
             raise UserError(f"the checkpoint's data order has {saved} read shards but the config sets "
-                            f"data.read_shards={self.pinned_shards}; resume with --set data.read_shards={saved} "
-                            "(changing it would reshuffle the data mid-run)")
+                            f"data.read_shards={self.pinned_shards}; resume with --set "
+                            f"data.read_shards={saved} (changing it would reshuffle the data mid-run)")
         if saved != self.read_shards:
             try:
                 self._open(saved)

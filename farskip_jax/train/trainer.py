@@ -125,6 +125,11 @@ class Trainer:
         self.stopper = EarlyStopper(tc.patience, tc.drop_threshold)
         self.gen_eval = None
         if tc.gen_eval.path is not None:
+            if jax.process_count() > 1:
+                raise UserError("train.gen_eval runs in single-process jobs only (its generator would move "
+                                "the parameters between hosts); in a multi-process job set "
+                                "train.gen_eval.path=null and score checkpoints with `python -m farskip_jax "
+                                "generate` on one node")
             from farskip_jax.train.gen_eval import GenerationEval
 
             dcfg = batches.data_config(cfg)

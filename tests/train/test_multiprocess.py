@@ -39,8 +39,8 @@ def _metrics(out: Path, key: str = "loss") -> dict[int, float]:
 
 
 def _launch(over: dict, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "farskip_jax.launch", "--processes", "2", "--cpu-devices", "4", "--grace", "5",
-            "--", "train.py", "--config", "tiny_farskip", *extra]
+    args = [sys.executable, "-m", "farskip_jax.launch", "--processes", "2", "--cpu-devices", "4",
+            "--grace", "5", "--", "train.py", "--config", "tiny_farskip", *extra]
     for k, v in over.items():
         args += ["--set", f"{k}={json.dumps(v)}"]
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(REPO / ".jax_cache"),
@@ -69,7 +69,8 @@ def test_two_processes_train_like_one(runs):
     two, one = _metrics(runs["root"] / "two_processes"), _metrics(runs["root"] / "one_process")
     assert sorted(two) == sorted(one) == list(range(1, STEPS + 1))
     err = max(abs(two[s] - one[s]) for s in one)
-    g2, g1 = _metrics(runs["root"] / "two_processes", "grad_norm"), _metrics(runs["root"] / "one_process", "grad_norm")
+    g2 = _metrics(runs["root"] / "two_processes", "grad_norm")
+    g1 = _metrics(runs["root"] / "one_process", "grad_norm")
     grad_rel = max(abs(g2[s] - g1[s]) / g1[s] for s in g1)
     print(f"PARITY test=multiprocess variant=2x4_vs_1x8 loss_max_abs_err={err:.3e} "
           f"grad_norm_max_rel_err={grad_rel:.3e} losses={[round(one[s], 6) for s in sorted(one)]}")
@@ -151,7 +152,8 @@ def test_data_state_moves_between_process_counts(unique_data, overrides, tmp_pat
     one.set_state(merged)  # ...but the checkpoint's 2 shards win
     assert one.read_shards == 2
     a, b, whole = p0.next_host(), p1.next_host(), one.next_host()
-    np.testing.assert_array_equal(np.concatenate([a["input_ids"], b["input_ids"]], axis=1), whole["input_ids"])
+    np.testing.assert_array_equal(np.concatenate([a["input_ids"], b["input_ids"]], axis=1),
+                                  whole["input_ids"])
     # Three processes (a global batch of 6 rows, so that 3 shards divide it) cannot split 2 shards.
     three = _stream(unique_data, overrides, tmp_path, 0, 3, shards=3, batch=6)
     with pytest.raises(UserError, match="read shards but the config sets data.read_shards=3"):
@@ -160,3 +162,34 @@ def test_data_state_moves_between_process_counts(unique_data, overrides, tmp_pat
         _stream(unique_data, overrides, tmp_path, 0, 3, shards=None, batch=6).set_state(merged)
     with pytest.raises(UserError, match="data.read_shards=2 cannot be split over 3 processes"):
         _stream(unique_data, overrides, tmp_path, 0, 3)
+
+
+def test_multiprocess_checkpoint_converts_to_hf_and_generates_on_two_processes(runs, tiny_data, tmp_path):
+    """The 2-process checkpoint -> HF (convert_torch_ckpt.py --to-hf) holds its parameters bit for bit,
+    and `generate` run by 2 processes (tensor parallel over 2 x 2 devices) gives the one-device tokens."""
+    import jax
+    from flax import nnx
+
+    from farskip_jax.checkpoint.hf_load import from_pretrained, load_params
+    from farskip_jax.generation import Generator
+
+    step_dir, hf = runs["root"] / "two_processes" / "checkpoints" / str(STEPS), tmp_path / "hf"
+    conv = subprocess.run([sys.executable, "convert_torch_ckpt.py", "--to-hf", "--input", str(step_dir),
+                           "--output", str(hf), "--no-progress"], cwd=REPO, capture_output=True, text=True)
+    assert conv.returncode == 0, conv.stderr[-2000:]
+    model = from_pretrained(hf)
+    trained = load_params(step_dir, model.cfg, None, np.float32)
+    same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), trained,
+                        nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    assert all(jax.tree.leaves(same))
+
+    prompts = np.array([[1, 5, 6, 7], [1, 8, 9, -1]], np.int32)
+    np.save(tmp_path / "prompts.npy", prompts)
+    want = Generator(model).generate(prompts, 6)
+    gen = subprocess.run(
+        [sys.executable, "-m", "farskip_jax.launch", "--processes", "2", "--cpu-devices", "2", "--", "-m",
+         "farskip_jax", "generate", "--checkpoint", str(hf), "--prompt-ids", str(tmp_path / "prompts.npy"),
+         "--max-new-tokens", "6", "--mesh", "tensor=4", "--out", str(tmp_path / "out.npy")],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), want)
