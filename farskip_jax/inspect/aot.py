@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from jax.experimental import topologies
 
 from farskip_jax import platforms, targets, xla_flags
@@ -83,7 +84,8 @@ def make_target_mesh(target: str, mesh_shape: dict[str, int]) -> jax.sharding.Me
         devs = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))  # as parallel.make_mesh
         if len(devs) < n:
             raise ValueError(f"mesh {mesh_shape} needs {n} devices, have {len(devs)}")
-        return jax.make_mesh(sizes, names, devices=devs[:n])
+        # Mesh, not jax.make_mesh: the latter's axes are Explicit, which the model's layouts are not.
+        return jax.sharding.Mesh(np.asarray(devs[:n], dtype=object).reshape(sizes), names)
     topo = get_target_topology(target, n)
     return topologies.make_mesh(topo, sizes, names)
 

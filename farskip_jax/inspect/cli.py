@@ -14,6 +14,8 @@ import argparse
 import contextlib
 import gzip
 import json
+import os
+import sys
 import tempfile
 import threading
 import time
@@ -256,8 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     joined = args.target == "local" and distributed.initialize(args) is not None
     if joined and not distributed.is_main_process():
         # Every process of a multi-process run compiles the same program (as it would to run it);
-        # process 0 alone writes the reports.
+        # process 0 alone writes the reports and prints.
         args.out = tempfile.mkdtemp(prefix="farskip_inspect_")
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the rest of this process
     from farskip_jax.config import load_config, parse_overrides
 
     cfg = load_config(args.config, parse_overrides(args.overrides))

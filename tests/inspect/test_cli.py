@@ -98,3 +98,22 @@ def test_fcsd_mode_compiles_the_trainers_step_with_its_teacher(tmp_path: Path) -
     assert len(fwd) == 2 * 2 * 2 and len(bwd) == 2 * 2
     assert sorted(c["layer"] for c in fwd) == [1] * 4 + [2] * 4
     assert rep["memory"]["peak_bytes_per_device"] > 0
+
+
+def test_local_target_compiles_for_this_machines_devices(tmp_path: Path) -> None:
+    """--target local: the real devices (8 host CPUs here) in a mesh with the model's Auto axes,
+    compiled and analysed like a deviceless target (EP=8 on 2 processes runs the same code path:
+    README "Multi-node")."""
+    from farskip_jax.config import load_config, parse_overrides
+    from farskip_jax.inspect import steps
+
+    cfg = load_config("tiny_farskip", parse_overrides(["model.num_layers=2"]))
+    parser = cli.add_inspect_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--target", "local", "--modes", "farskip", "--no-timeline", "--no-save-hlo",
+                              "--out", str(tmp_path)])
+    args.mesh = {"data": 1, "expert": 8, "tensor": 1}
+    rep = cli.run_inspect(args, steps.build_train_step(cfg, seqs_per_device=1, seq_len=16))["farskip"]
+    a2a = [c for c in rep["collectives"] if c["kind"] in ("all-to-all", "ragged-all-to-all")]
+    assert a2a and all(c["role"] in ("dispatch", "combine", "counts") for c in a2a), \
+        sorted({c["role"] for c in a2a})
+    assert (tmp_path / "report_farskip.json").exists()
