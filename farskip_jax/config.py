@@ -430,7 +430,9 @@ class ModelConfig:
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size, "moe_intermediate_size": self.moe_intermediate_size,
             "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.kv_heads, "head_dim": self.attn_head_dim,
+            "num_key_value_heads": self.kv_heads,
+            # Unset: HF reads hidden / heads too; omitted so that the config round-trips.
+            **({} if self.head_dim is None else {"head_dim": self.head_dim}),
             "num_experts": self.n_routed_experts, "num_experts_per_tok": self.num_experts_per_tok,
             "norm_topk_prob": self.norm_topk_prob, "decoder_sparse_step": self.moe_layer_freq,
             "mlp_only_layers": list(self.mlp_only_layers), "rms_norm_eps": self.rms_norm_eps,
