@@ -199,3 +199,27 @@ def test_connectivity_off_is_bitwise_regular(fs_case):
     off = dataclasses.replace(fs.cfg, farskip=dataclasses.replace(fs.cfg.farskip, enabled=False))
     graphdef_off, _ = nnx.split(nnx.eval_shape(lambda: farskip_jax.Transformer(off, nnx.Rngs(0))))
     np.testing.assert_array_equal(jax_logits(nnx.merge(graphdef_off, state), fs_case["ids"]), base)
+
+
+def test_farskip_export_runs_farskip_in_transformers(fs_case, tmp_path, monkeypatch):
+    """A FarSkip Qwen3-MoE export carries modeling_farskip_qwen3_moe.py: transformers with
+    trust_remote_code runs the same FarSkip model as ours (and as the reference above)."""
+    import transformers
+
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
+    quiet = dict(progress=False, log=lambda _line: None)
+    convert_hf_to_orbax(fs_case["dir"], tmp_path / "orbax", **quiet)
+    out = tmp_path / "hf"
+    convert_orbax_to_hf(tmp_path / "orbax", out, overrides={"farskip.enabled": True, "farskip.start_idx": 1},
+                        **quiet)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_farskip_qwen3_moe.FarSkipQwen3MoeForCausalLM"
+    remote = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    assert type(remote).__name__ == "FarSkipQwen3MoeForCausalLM"
+    theirs = hf_logits(remote, fs_case["ids"])
+    ours = jax_logits(farskip_jax.from_pretrained(out), fs_case["ids"])  # reads the exported FarSkip keys
+    err = max_abs_err(theirs, ours)
+    record("qwen3_farskip_export_remote_code", "range_1_3", err)
+    assert err <= BAR
+    assert max_abs_err(theirs, farskip_reference(fs_case["hf"], fs_case["ids"], {1, 2, 3})) <= 1e-5
+    assert max_abs_err(theirs, fs_case["ref"]) > 1e-2
