@@ -1,6 +1,7 @@
 """Qwen3-MoE: logit parity with HF's Qwen3MoeForCausalLM (fp32, CPU) through our HF loader, FarSkip
 against a reference wired from HF's own submodules, connectivity off == regular bitwise, and the
-converter's HF -> Orbax -> HF round trip bitwise.
+converter's HF -> Orbax -> HF round trip bitwise (and a FarSkip export's transformers remote code),
+and generation over the GQA key/value cache (one device and TP=2) against HF generate.
 
 | variant            | MoE layers of L (rule)      | heads q/kv | head_dim | top-k | norm | tied | bias |
 | gqa_hd12_mlponly   | 0, 2, 3 of 4 (step 1, [1])  | 4 / 2      | 12       | 2     | on   | no   | no   |
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -38,8 +40,11 @@ import farskip_jax
 from farskip_jax.checkpoint.convert import convert_hf_to_orbax
 from farskip_jax.checkpoint.hf_io import TensorSource
 from farskip_jax.checkpoint.to_hf import convert_orbax_to_hf
-from farskip_jax.config import ModelConfig
+from farskip_jax.config import MeshConfig, ModelConfig
+from farskip_jax.generation import PAD, Generator
 from farskip_jax.model.farskip import REGULAR
+from farskip_jax.model.transformer import empty_cache
+from farskip_jax.parallel import make_mesh
 
 BAR = 1e-4
 
@@ -223,3 +228,54 @@ def test_farskip_export_runs_farskip_in_transformers(fs_case, tmp_path, monkeypa
     assert err <= BAR
     assert max_abs_err(theirs, farskip_reference(fs_case["hf"], fs_case["ids"], {1, 2, 3})) <= 1e-5
     assert max_abs_err(theirs, fs_case["ref"]) > 1e-2
+
+
+# --------------------------------------------------------------------------------------------
+# Generation over the GQA key/value cache
+
+PROMPTS = [[5, 17, 3, 60, 22, 9, 41], [12, 7], [33, 2, 90, 14, 8]]
+NEW = 8
+
+
+def _padded(prompts: list[list[int]]) -> np.ndarray:
+    out = np.full((len(prompts), max(map(len, prompts))), PAD, np.int32)
+    for b, p in enumerate(prompts):
+        out[b, : len(p)] = p
+    return out
+
+
+def test_cached_logits_equal_full_forward(fs_case):
+    """FarSkip model: prefill of a prefix, then token by token through the KV-cache decode; every
+    position's logits equal the uncached forward's."""
+    model = farskip_jax.from_pretrained(fs_case["dir"], **{"farskip.enabled": True})
+    ids = jnp.asarray([PROMPTS[0] + [1, 2, 3, 4]], jnp.int32)
+    full, k, t = jax_logits(model, np.asarray(ids)), 4, ids.shape[1]
+
+    @nnx.jit(static_argnames="prefill")
+    def run(model, ids, pos, caches, prefill):
+        hidden, caches = model.cached_forward(ids, pos, caches, prefill=prefill)
+        return model.logits(hidden), caches
+
+    caches = tuple(empty_cache(model.cfg, 1, t, jnp.float32) for _ in range(model.cfg.num_layers))
+    logits, caches = run(model, ids[:, :k], jnp.arange(k, dtype=jnp.int32)[None], caches, True)
+    got = [np.asarray(logits)]
+    for i in range(k, t):
+        logits, caches = run(model, ids[:, i : i + 1], jnp.full((1, 1), i, jnp.int32), caches, False)
+        got.append(np.asarray(logits))
+    err = max_abs_err(np.concatenate(got, axis=1), full)
+    record("qwen3_cached_logits", "farskip_full", err)
+    assert err <= 1e-5
+
+
+def test_greedy_generation_is_hf_generate_and_tp2(fs_case):
+    """Greedy output of right-padded prompts is token-identical to HF generate, on one device and
+    with TP=2 (query and key/value heads, and the KV caches, split over tensor)."""
+    gen = Generator(farskip_jax.from_pretrained(fs_case["dir"]))
+    out = gen.generate(_padded(PROMPTS), NEW)
+    for b, p in enumerate(PROMPTS):
+        with torch.no_grad():
+            ref = fs_case["hf"].generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False,
+                                         eos_token_id=None, pad_token_id=0).numpy()[0]
+        assert np.array_equal(out[b, : len(p) + NEW], ref), (b, out[b], ref)
+    tp = Generator(farskip_jax.from_pretrained(fs_case["dir"]), mesh=make_mesh(MeshConfig(tensor=2)))
+    np.testing.assert_array_equal(tp.generate(_padded(PROMPTS), NEW), out)
