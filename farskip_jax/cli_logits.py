@@ -189,10 +189,7 @@ def check_devices(mesh: MeshConfig, text: str) -> None:
 def check_layout(cfg: ModelConfig, mesh: MeshConfig, text: str) -> None:
     """The checkpoint's shapes split evenly over the mesh (checked before loading any weight)."""
     if mesh.tensor > 1:
-        sizes = {"attention heads": cfg.num_heads, "routed experts": cfg.n_routed_experts,
-                 "shared-expert width": cfg.moe_intermediate_size * cfg.n_shared_experts}
-        if any(not cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
-            sizes["dense MLP width"] = cfg.intermediate_size
+        sizes = cfg.tensor_split_sizes()
         bad = [f"{name} {v}" for name, v in sizes.items() if v % mesh.tensor]
         if bad:
             fit = math.gcd(*sizes.values())

@@ -79,7 +79,9 @@ class FarSkipConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """DeepSeek-V2 family hyper-parameters (names follow HF's DeepseekV2Config where one exists)."""
+    """DeepSeek-V2 and Qwen3-MoE hyper-parameters (names follow HF's DeepseekV2Config where one
+    exists). The fields below `tie_word_embeddings`'s group that say what the architecture does
+    (attention kind, qk-norm, RoPE layout, layer rule, router normalisation) default to DeepSeek-V2."""
 
     vocab_size: int = 102400
     hidden_size: int = 2048
@@ -109,6 +111,26 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     max_position_embeddings: int = 163840
     tie_word_embeddings: bool = False
+    # Attention: "mla" is DeepSeek-V2's multi-head latent attention (q_lora_rank .. v_head_dim);
+    # "gqa" is grouped-query attention (Qwen3-MoE, model/gqa_attention.py) with `num_kv_heads`
+    # key/value heads (None: num_heads) of `head_dim` (None: hidden_size // num_heads), optional
+    # per-head RMSNorm of q and k before RoPE (`qk_norm`) and projection biases (`attention_bias`).
+    attention_kind: Literal["mla", "gqa"] = "mla"
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    qk_norm: bool = False
+    attention_bias: bool = False
+    # RoPE pairs: "interleaved" rotates (x[2i], x[2i+1]) (DeepSeek-V2's complex form), "half"
+    # rotates (x[i], x[i + R/2]) (NeoX rotate-half: Qwen3-MoE, Llama).
+    rope_style: Literal["interleaved", "half"] = "interleaved"
+    # Layer rule: layer i is MoE iff i >= first_k_dense_replace, i not in mlp_only_layers and
+    # (i + moe_layer_offset) % moe_layer_freq == 0. DeepSeek-V2: offset 0; Qwen3-MoE: offset 1 with
+    # moe_layer_freq = decoder_sparse_step.
+    mlp_only_layers: tuple[int, ...] = ()
+    moe_layer_offset: int = 0
+    # norm_topk_prob renormalises the top-k weights only when num_experts_per_tok >= this:
+    # DeepSeek's code skips it for top-1 (2), Qwen3-MoE always renormalises (1).
+    router_norm_min_k: int = 2
     # Auxiliary balance losses of DeepSeek-V2 (expert level, device level); returned, never
     # added by the model itself.
     aux_loss_alpha: float = 0.001
@@ -168,11 +190,40 @@ class ModelConfig:
     farskip: FarSkipConfig = dataclasses.field(default_factory=FarSkipConfig)
 
     @property
+    def kv_heads(self) -> int:
+        """Key/value heads of GQA (num_heads when unset)."""
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def attn_head_dim(self) -> int:
+        """GQA's per-head q/k/v width (hidden_size // num_heads when unset)."""
+        return self.hidden_size // self.num_heads if self.head_dim is None else self.head_dim
+
+    @property
     def qk_head_dim(self) -> int:
+        """Query/key width per head (what the softmax scale is computed from)."""
+        if self.attention_kind == "gqa":
+            return self.attn_head_dim
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
+    @property
+    def rope_head_dim(self) -> int:
+        """Rotary dims per head: MLA's qk_rope_head_dim, GQA's whole head."""
+        return self.attn_head_dim if self.attention_kind == "gqa" else self.qk_rope_head_dim
+
     def is_moe_layer(self, idx: int) -> bool:
-        return idx >= self.first_k_dense_replace and idx % self.moe_layer_freq == 0
+        return (idx >= self.first_k_dense_replace and idx not in self.mlp_only_layers
+                and (idx + self.moe_layer_offset) % self.moe_layer_freq == 0)
+
+    def tensor_split_sizes(self) -> dict[str, int]:
+        """Every size the tensor-parallel layout splits over `mesh.tensor` (each must divide)."""
+        sizes = {"attention heads": self.num_heads, "routed experts": self.n_routed_experts,
+                 "shared-expert width": self.moe_intermediate_size * self.n_shared_experts}
+        if self.attention_kind == "gqa":
+            sizes["key/value heads"] = self.kv_heads
+        if any(not self.is_moe_layer(i) for i in range(self.num_layers)):
+            sizes["dense MLP width"] = self.intermediate_size
+        return sizes
 
     def validate(self) -> None:
         positive = ["vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
@@ -185,6 +236,7 @@ class ModelConfig:
                 raise ConfigError(f"model.{name} must be > 0, got {getattr(self, name)}")
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"model.qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        self._validate_architecture()
         if self.num_experts_per_tok > self.n_routed_experts:
             raise ConfigError(
                 f"model.num_experts_per_tok ({self.num_experts_per_tok}) exceeds "
@@ -229,112 +281,58 @@ class ModelConfig:
             if v is not None and not 0 <= v <= self.num_layers:
                 raise ConfigError(f"model.farskip.{name} must be in [0, {self.num_layers}], got {v}")
 
-    # ---- HF config.json <-> ModelConfig ------------------------------------------------------
+    def _validate_architecture(self) -> None:
+        """The attention-kind, RoPE, layer-rule and router fields."""
+        if self.attention_kind == "mla":
+            gqa_only = {"num_kv_heads": None, "head_dim": None, "qk_norm": False, "attention_bias": False,
+                        "rope_style": "interleaved"}
+            for name, default in gqa_only.items():
+                if getattr(self, name) != default:
+                    raise ConfigError(f"model.{name}={getattr(self, name)!r} applies to "
+                                      f"model.attention_kind=gqa only (MLA needs {default!r})")
+        else:
+            for name in ("num_kv_heads", "head_dim"):
+                v = getattr(self, name)
+                if v is not None and v <= 0:
+                    raise ConfigError(f"model.{name} must be > 0 or null, got {v}")
+            if self.num_heads % self.kv_heads:
+                raise ConfigError(f"model.num_kv_heads ({self.kv_heads}) must divide model.num_heads "
+                                  f"({self.num_heads}): each key/value head serves a group of query heads")
+            if self.attn_head_dim % 2:
+                raise ConfigError(f"model.head_dim must be even (RoPE pairs), got {self.attn_head_dim}")
+            if self.rope_scaling is not None:
+                raise ConfigError("model.rope_scaling (YaRN) is implemented as DeepSeek-V2's MLA defines it; "
+                                  "model.attention_kind=gqa supports plain RoPE only (rope_scaling: null)")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ConfigError(f"model.mlp_only_layers: layer {bad[0]} is not in [0, {self.num_layers - 1}]")
+        if self.moe_layer_offset < 0:
+            raise ConfigError(f"model.moe_layer_offset must be >= 0, got {self.moe_layer_offset}")
+        if self.router_norm_min_k < 1:
+            raise ConfigError(f"model.router_norm_min_k must be >= 1, got {self.router_norm_min_k}")
+
+    # ---- HF config.json <-> ModelConfig (farskip_jax/hf_config.py) ------------------------
 
     @classmethod
     def from_hf_dict(cls, hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
-        """Builds a config from an HF DeepseekV2 config.json (both rope generations).
+        """Builds a config from an HF DeepseekV2 (both rope generations) or Qwen3-MoE
+        (`model_type: qwen3_moe`) config.json.
 
         FarSkip keys (`farskip`, `farskip_start_idx`, `farskip_end_idx`, `attn_only_farskip`,
         `mlp_only_farskip`) are read as Instella-MoE writes them.
         """
-        arch = hf.get("architectures") or []
-        if any("Instella" in a for a in arch) or hf.get("gated_attention"):
-            raise ConfigError(
-                f"config.json architectures={arch}: gated-attention (Instella-MoE) checkpoints are not "
-                "DeepSeek-V2 and are not supported; loading them as DeepSeek-V2 would run the wrong model")
-        method = hf.get("topk_method") or "greedy"
-        allowed = ("greedy", "group_limited_greedy")
-        if method not in allowed:
-            raise ConfigError(f"config.json topk_method={method!r} is not supported; allowed: {allowed}")
-        rope_scaling, rope_theta = _rope_from_hf(hf)
-        kw: dict[str, Any] = dict(
-            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"], moe_intermediate_size=hf["moe_intermediate_size"],
-            num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
-            q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
-            qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
-            v_head_dim=hf["v_head_dim"], n_routed_experts=hf["n_routed_experts"],
-            n_shared_experts=hf.get("n_shared_experts") or 0,
-            num_experts_per_tok=hf["num_experts_per_tok"],
-            first_k_dense_replace=hf.get("first_k_dense_replace", 0),
-            moe_layer_freq=hf.get("moe_layer_freq", 1), routing=method,
-            n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
-            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
-            rope_scaling=rope_scaling, max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            aux_loss_alpha=float(hf.get("aux_loss_alpha", 0.001)), seq_aux=bool(hf.get("seq_aux", True)),
-            farskip=FarSkipConfig(
-                enabled=bool(hf.get("farskip", False)), start_idx=hf.get("farskip_start_idx"),
-                end_idx=hf.get("farskip_end_idx"), attn_only=bool(hf.get("attn_only_farskip", False)),
-                mlp_only=bool(hf.get("mlp_only_farskip", False)),
-                stale_blocks=int(hf.get("farskip_stale_blocks", 1))),
-        )
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"config.json hidden_act={hf['hidden_act']!r}: only 'silu' is supported")
-        if hf.get("attention_bias") or hf.get("mlp_bias"):
-            raise ConfigError("config.json attention_bias/mlp_bias=true is not supported by DeepSeek-V2")
-        merged = apply_overrides(_to_dict(cls(**kw)), overrides, prefix="model")
+        from farskip_jax import hf_config
+
+        merged = apply_overrides(_to_dict(cls(**hf_config.model_fields(hf))), overrides, prefix="model")
         return from_dict(cls, merged, "model")
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """An HF DeepseekV2 config.json (transformers 5 `rope_parameters` and legacy `rope_scaling`)."""
-        rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
-        if self.rope_scaling is not None:
-            rs = self.rope_scaling
-            rope = {"rope_theta": self.rope_theta, "rope_type": "yarn", "factor": rs.factor,
-                    "original_max_position_embeddings": rs.original_max_position_embeddings,
-                    "beta_fast": rs.beta_fast, "beta_slow": rs.beta_slow, "mscale": rs.mscale,
-                    "mscale_all_dim": rs.mscale_all_dim}
-        fs = self.farskip
-        fs_range = fs.layer_range(self.num_layers)
-        return {
-            "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size, "moe_intermediate_size": self.moe_intermediate_size,
-            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_heads, "q_lora_rank": self.q_lora_rank,
-            "kv_lora_rank": self.kv_lora_rank, "qk_nope_head_dim": self.qk_nope_head_dim,
-            "qk_rope_head_dim": self.qk_rope_head_dim, "v_head_dim": self.v_head_dim,
-            "n_routed_experts": self.n_routed_experts, "n_shared_experts": self.n_shared_experts,
-            "num_experts_per_tok": self.num_experts_per_tok,
-            "first_k_dense_replace": self.first_k_dense_replace, "moe_layer_freq": self.moe_layer_freq,
-            "topk_method": self.routing, "n_group": self.n_group, "topk_group": self.topk_group,
-            "routed_scaling_factor": self.routed_scaling_factor, "norm_topk_prob": self.norm_topk_prob,
-            "rms_norm_eps": self.rms_norm_eps, "rope_parameters": rope,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings, "hidden_act": "silu",
-            "attention_bias": False, "mlp_bias": False, "aux_loss_alpha": self.aux_loss_alpha,
-            "seq_aux": self.seq_aux, "bos_token_id": 100000, "eos_token_id": 100001,
-            "dtype": "bfloat16" if self.param_dtype == "bfloat16" else "float32",
-            # FarSkip keys as Instella-MoE writes them, for FarSkip-aware serving code.
-            "farskip": bool(fs.enabled and len(fs_range) > 0),
-            "farskip_start_idx": fs_range.start if fs.enabled and len(fs_range) else None,
-            "farskip_end_idx": fs_range.stop - 1 if fs.enabled and len(fs_range) else None,
-            "attn_only_farskip": fs.attn_only, "mlp_only_farskip": fs.mlp_only,
-            # Ours (no Instella key): written only for the experimental stale_blocks=2 model, so
-            # that it does not load back as the paper's FarSkip.
-            **({"farskip_stale_blocks": fs.stale_blocks} if fs.stale_blocks != 1 else {}),
-        }
+        """An HF config.json: Qwen3-MoE for attention_kind gqa, else DeepseekV2 (transformers 5
+        `rope_parameters` and legacy `rope_scaling`). Raises ConfigError for a config that family's
+        HF class cannot express."""
+        from farskip_jax import hf_config
 
-
-def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[RopeScaling | None, float]:
-    """Reads `rope_scaling` (published DeepSeek-V2) or `rope_parameters` (transformers 5)."""
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind in (None, "default"):
-        return None, theta
-    if kind != "yarn":
-        raise ConfigError(f"config.json rope type {kind!r} is not supported; allowed: 'default', 'yarn'")
-    return RopeScaling(
-        factor=float(params["factor"]),
-        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-        beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
-        mscale=float(params.get("mscale") or 1.0), mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
-    ), theta
+        return hf_config.hf_dict(self)
 
 
 # --------------------------------------------------------------------------------------------
@@ -534,6 +532,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{key}={value!r} must be a string")
         return value
+    if origin is tuple:  # tuple[int, ...]: a YAML/JSON list
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        (item,) = {a for a in typing.get_args(tp) if a is not Ellipsis}
+        return tuple(_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value))
     if tp is dict or origin is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{key} must be a mapping, got {value!r}")

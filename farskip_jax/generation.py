@@ -1,5 +1,6 @@
 """Autoregressive generation: one prefill of the prompts, then one decode step per new token, over
-per-layer MLA latent caches (`LatentCache`), greedy or sampled (temperature, top-p).
+per-layer caches (MLA latents `LatentCache`, GQA keys and values `KVCache`), greedy or sampled
+(temperature, top-p).
 
 Prompts are int32 rows right-padded with -1, so prompts of different lengths share a batch: each
 row's cache slots and positions are its own, and a row's padding is never attended to. Rows stop
@@ -21,9 +22,8 @@ import numpy as np
 from flax import nnx
 
 from farskip_jax.config import ModelConfig
-from farskip_jax.model.attention import LatentCache
 from farskip_jax.model.layers import DTYPES
-from farskip_jax.model.transformer import Transformer
+from farskip_jax.model.transformer import AttentionCache, Transformer, empty_cache
 
 PAD = -1
 
@@ -89,9 +89,7 @@ def tensor_parallel_mesh(cfg: ModelConfig, devices: Sequence[jax.Device]) -> jax
     from farskip_jax.config import MeshConfig
     from farskip_jax.parallel import make_mesh
 
-    widths = [cfg.num_heads, cfg.n_routed_experts, cfg.moe_intermediate_size * max(cfg.n_shared_experts, 1)]
-    if any(not cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
-        widths.append(cfg.intermediate_size)
+    widths = list(cfg.tensor_split_sizes().values())
     n = max(t for t in range(1, len(devices) + 1) if all(w % t == 0 for w in widths))
     return None if n == 1 else make_mesh(MeshConfig(tensor=n), list(devices))
 
@@ -142,8 +140,8 @@ class Generator:
 
             self.state = place(state, self.mesh, "tp")
 
-    def empty_caches(self, batch: int, slots: int) -> tuple[LatentCache, ...]:
-        return tuple(LatentCache.empty(self.cfg, batch, slots, self.cache_dtype)
+    def empty_caches(self, batch: int, slots: int) -> tuple[AttentionCache, ...]:
+        return tuple(empty_cache(self.cfg, batch, slots, self.cache_dtype)
                      for _ in range(self.cfg.num_layers))
 
     def generate(self, prompts: np.ndarray, max_new_tokens: int, *, eos_ids: Sequence[int] = (),

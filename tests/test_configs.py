@@ -21,7 +21,8 @@ YAMLS = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
 
 def test_configs_exist():
-    assert {"tiny", "tiny_farskip", "dsv2lite", "dsv2lite_farskip"} <= set(YAMLS)
+    assert {"tiny", "tiny_farskip", "dsv2lite", "dsv2lite_farskip", "qwen3_30b_a3b",
+            "qwen3_30b_a3b_farskip"} <= set(YAMLS)
 
 
 @pytest.mark.parametrize("name", YAMLS)
@@ -39,6 +40,58 @@ def test_farskip_yaml_inherits_base():
     assert not base.model.farskip.enabled and fs.model.farskip.enabled
     assert dataclasses.replace(fs.model, farskip=base.model.farskip) == base.model
     assert list(fs.model.farskip.layer_range(fs.model.num_layers)) == list(range(27))
+
+
+# Qwen3-30B-A3B's published config.json (transformers 4.51 generation: rope_theta + rope_scaling).
+QWEN3_30B_A3B_HF = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+    "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [],
+    "model_type": "qwen3_moe", "moe_intermediate_size": 768, "norm_topk_prob": True,
+    "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+    "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 151936}
+# ModelConfig fields config.json does not carry (training-side knobs).
+NOT_IN_HF = {"capacity_factor", "param_dtype", "dtype", "remat", "device_aux_loss_alpha", "aux_device_groups",
+             "batch_split"}
+
+
+def test_qwen3_yaml_is_the_published_model():
+    """configs/qwen3_30b_a3b.yaml describes the model of the published config.json, and its
+    FarSkip variant differs only in connectivity (every layer)."""
+    ours, published = load_config("qwen3_30b_a3b").model, ModelConfig.from_hf_dict(QWEN3_30B_A3B_HF)
+    for f in dataclasses.fields(ModelConfig):
+        if f.name not in NOT_IN_HF:
+            assert getattr(ours, f.name) == getattr(published, f.name), f.name
+    assert (ours.attention_kind, ours.kv_heads, ours.attn_head_dim) == ("gqa", 4, 128)
+    assert ours.rope_style == "half" and ours.qk_norm
+    assert all(ours.is_moe_layer(i) for i in range(48)) and ours.n_shared_experts == 0
+    fs = load_config("qwen3_30b_a3b_farskip").model
+    assert dataclasses.replace(fs, farskip=ours.farskip) == ours
+    assert list(fs.farskip.layer_range(fs.num_layers)) == list(range(48))
+
+
+def test_qwen3_hf_rules_and_round_trip():
+    """HF's layer rule (mlp_only_layers, (i + 1) % decoder_sparse_step), head_dim's default,
+    num_local_experts (transformers 5's alias), and what Qwen3-MoE cannot express."""
+    hf = dict(QWEN3_30B_A3B_HF, num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3])
+    del hf["head_dim"], hf["num_experts"]
+    hf["num_local_experts"] = 16
+    cfg = ModelConfig.from_hf_dict(hf)
+    assert [i for i in range(6) if cfg.is_moe_layer(i)] == [1, 5]
+    assert cfg.attn_head_dim == 2048 // 32 and cfg.n_routed_experts == 16 and cfg.router_norm_min_k == 1
+    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+    with pytest.raises(ConfigError, match="Qwen3-MoE.*n_shared_experts"):
+        dataclasses.replace(cfg, n_shared_experts=1).to_hf_dict()
+    with pytest.raises(ConfigError, match="sliding"):
+        ModelConfig.from_hf_dict(dict(hf, use_sliding_window=True))
+    with pytest.raises(ConfigError, match="num_kv_heads"):
+        load_config("qwen3_30b_a3b", {"model.num_kv_heads": 5})
+    with pytest.raises(ConfigError, match="attention_kind=gqa only"):
+        load_config("tiny", {"model.qk_norm": True})
 
 
 def test_unknown_key_names_key_and_allowed():
@@ -85,10 +138,8 @@ def test_hf_round_trip_preserves_fields():
                                "model.farskip.end_idx": 2, "model.farskip.attn_only": True}).model
     again = ModelConfig.from_hf_dict(cfg.to_hf_dict())
     # Fields config.json does not carry (training-side knobs) keep their defaults; compare the rest.
-    not_in_hf = {"capacity_factor", "param_dtype", "dtype", "remat", "device_aux_loss_alpha",
-                 "aux_device_groups"}
     for f in dataclasses.fields(ModelConfig):
-        if f.name not in not_in_hf:
+        if f.name not in NOT_IN_HF:
             assert getattr(again, f.name) == getattr(cfg, f.name), f.name
     assert again.farskip == FarSkipConfig(enabled=True, start_idx=1, end_idx=2, attn_only=True)
 

@@ -1,4 +1,4 @@
-"""HF DeepSeek-V2 -> Orbax conversion, streamed one layer at a time (reading it back: `orbax_io`).
+"""HF DeepSeek-V2 / Qwen3-MoE -> Orbax conversion, streamed one layer at a time (reading it back: `orbax_io`).
 
 Layout of a converted directory (detected by `farskip_checkpoint.json`):
 
@@ -161,13 +161,19 @@ def contradiction_errors(source: TensorSource, cfg: ModelConfig) -> list[str]:
     for i, found in sorted(experts.items()):
         example = where(found[max(found)])
         if i < cfg.num_layers and not cfg.is_moe_layer(i):
-            errs.append(f"config.json makes layer {i} dense (first_k_dense_replace="
-                        f"{cfg.first_k_dense_replace}, moe_layer_freq={cfg.moe_layer_freq}) but {example} is "
-                        "a routed expert")
+            errs.append(f"config.json makes layer {i} dense ({_layer_rule(cfg)}) but {example} is a routed "
+                        "expert")
         elif len(found) != cfg.n_routed_experts or max(found) + 1 != cfg.n_routed_experts:
             errs.append(f"config.json n_routed_experts={cfg.n_routed_experts} but layer {i} has {len(found)} "
                         f"routed experts (highest index {max(found)}: {example})")
     return errs
+
+
+def _layer_rule(cfg: ModelConfig) -> str:
+    """The config.json keys that decide which layers are dense, as that family names them."""
+    if cfg.attention_kind == "gqa":
+        return f"decoder_sparse_step={cfg.moe_layer_freq}, mlp_only_layers={list(cfg.mlp_only_layers)}"
+    return f"first_k_dense_replace={cfg.first_k_dense_replace}, moe_layer_freq={cfg.moe_layer_freq}"
 
 
 def source_errors(source: TensorSource, cfg: ModelConfig, specs: list[ParamSpec]) -> list[str]:
@@ -179,8 +185,8 @@ def source_errors(source: TensorSource, cfg: ModelConfig, specs: list[ParamSpec]
     for k in (k for k in index if k not in have):
         errs.append(f"{source.dir}: missing tensor {k!r} (needed for parameter {index[k][0].name})")
     for k in sorted(have - set(index)):
-        errs.append(f"{source.key_to_file[k].name}: unexpected tensor {k!r} (not a DeepseekV2 parameter "
-                    "for this config.json)")
+        errs.append(f"{source.key_to_file[k].name}: unexpected tensor {k!r} (not a parameter of "
+                    f"{cfg.to_hf_dict()['architectures'][0]} for this config.json)")
     for k, (spec, _) in index.items():
         if k not in have:
             continue
@@ -327,7 +333,7 @@ def convert_hf_to_orbax(input_dir: str | Path, output_dir: str | Path, *, dtype:
                         mesh: dict[str, int] | None = None, overrides: dict[str, Any] | None = None,
                         dry_run: bool = False, overwrite: bool = False, progress: bool = True,
                         log: Callable[[str], None] = print) -> Summary:
-    """Validates an HF DeepSeek-V2 directory, then writes it as a farskip Orbax checkpoint."""
+    """Validates an HF DeepSeek-V2 or Qwen3-MoE directory, then writes it as a farskip Orbax checkpoint."""
     import orbax.checkpoint as ocp
 
     src, out = Path(input_dir), Path(output_dir)

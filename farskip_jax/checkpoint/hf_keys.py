@@ -1,9 +1,11 @@
-"""The one table between HF DeepseekV2 tensor names and our NNX parameter paths.
+"""The one table between HF tensor names (DeepseekV2, Qwen3-MoE) and our NNX parameter paths.
 
 Each `ParamSpec` names one parameter of our model, the HF tensor(s) it comes from, and the
 exact layout transforms in both directions. Routed experts are one stacked [E, ...] array
 here and E separate tensors in HF files (`mlp.experts.N.gate_proj.weight`). HF stores linear
-weights as [out, in]; we store [in, out] and split head dimensions out ([D, H, K]).
+weights as [out, in]; we store [in, out] and split head dimensions out ([D, H, K]). The two
+families share every name but the attention's (`_mla_specs`, `_gqa_specs`, chosen by
+`ModelConfig.attention_kind`); Qwen3-MoE has no shared experts and no `lm_head` when tied.
 """
 
 from __future__ import annotations
@@ -53,6 +55,12 @@ def _heads_in(h, v, d_out):
                 hf_shape=(d_out, h * v))
 
 
+def _reshaped(hf_shape, shape):
+    """HF `hf_shape` <-> ours `shape`, same element order (a bias split per head)."""
+    return dict(to_ours=lambda ts: ts[0].reshape(shape), to_hf=lambda a: [a.reshape(hf_shape)],
+                hf_shape=hf_shape)
+
+
 def _stacked(d_in, d_out):
     """E HF tensors [out, in] <-> ours [E, in, out]."""
     return dict(to_ours=lambda ts: np.stack([t.T for t in ts]), to_hf=lambda a: [w.T for w in a],
@@ -61,7 +69,7 @@ def _stacked(d_in, d_out):
 
 def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
     """Every parameter of the model for `cfg`, in a stable order."""
-    d, h, e = cfg.hidden_size, cfg.num_heads, cfg.n_routed_experts
+    d, e = cfg.hidden_size, cfg.n_routed_experts
     specs: list[ParamSpec] = []
 
     def add(path, shape, key, t):
@@ -74,20 +82,10 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
         add(L + ("input_norm", "scale"), (d,), f"{p}.input_layernorm.weight", _same((d,)))
         add(L + ("post_attn_norm", "scale"), (d,), f"{p}.post_attention_layernorm.weight", _same((d,)))
         a, A = f"{p}.self_attn", L + ("attn",)
-        qk = cfg.qk_head_dim
-        if cfg.q_lora_rank is None:
-            add(A + ("q_proj",), (d, h, qk), f"{a}.q_proj.weight", _heads_out(d, h, qk))
+        if cfg.attention_kind == "gqa":
+            _gqa_specs(cfg, a, A, add)
         else:
-            r = cfg.q_lora_rank
-            add(A + ("q_a_proj",), (d, r), f"{a}.q_a_proj.weight", _linear(d, r))
-            add(A + ("q_a_norm", "scale"), (r,), f"{a}.q_a_layernorm.weight", _same((r,)))
-            add(A + ("q_b_proj",), (r, h, qk), f"{a}.q_b_proj.weight", _heads_out(r, h, qk))
-        c, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-        add(A + ("kv_a_proj",), (d, c + rope), f"{a}.kv_a_proj_with_mqa.weight", _linear(d, c + rope))
-        add(A + ("kv_a_norm", "scale"), (c,), f"{a}.kv_a_layernorm.weight", _same((c,)))
-        nv = cfg.qk_nope_head_dim + cfg.v_head_dim
-        add(A + ("kv_b_proj",), (c, h, nv), f"{a}.kv_b_proj.weight", _heads_out(c, h, nv))
-        add(A + ("o_proj",), (h, cfg.v_head_dim, d), f"{a}.o_proj.weight", _heads_in(h, cfg.v_head_dim, d))
+            _mla_specs(cfg, a, A, add)
         m = f"{p}.mlp"
         if cfg.is_moe_layer(i):
             f, M = cfg.moe_intermediate_size, L + ("moe",)
@@ -108,6 +106,42 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
     if not cfg.tie_word_embeddings:
         add(("lm_head",), (d, cfg.vocab_size), "lm_head.weight", _linear(d, cfg.vocab_size))
     return specs
+
+
+def _mla_specs(cfg: ModelConfig, a: str, A: Path, add: Callable) -> None:
+    """DeepSeek-V2 latent attention: HF keys under `a` (`model.layers.N.self_attn`), paths under `A`."""
+    d, h = cfg.hidden_size, cfg.num_heads
+    qk = cfg.qk_head_dim
+    if cfg.q_lora_rank is None:
+        add(A + ("q_proj",), (d, h, qk), f"{a}.q_proj.weight", _heads_out(d, h, qk))
+    else:
+        r = cfg.q_lora_rank
+        add(A + ("q_a_proj",), (d, r), f"{a}.q_a_proj.weight", _linear(d, r))
+        add(A + ("q_a_norm", "scale"), (r,), f"{a}.q_a_layernorm.weight", _same((r,)))
+        add(A + ("q_b_proj",), (r, h, qk), f"{a}.q_b_proj.weight", _heads_out(r, h, qk))
+    c, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    add(A + ("kv_a_proj",), (d, c + rope), f"{a}.kv_a_proj_with_mqa.weight", _linear(d, c + rope))
+    add(A + ("kv_a_norm", "scale"), (c,), f"{a}.kv_a_layernorm.weight", _same((c,)))
+    nv = cfg.qk_nope_head_dim + cfg.v_head_dim
+    add(A + ("kv_b_proj",), (c, h, nv), f"{a}.kv_b_proj.weight", _heads_out(c, h, nv))
+    add(A + ("o_proj",), (h, cfg.v_head_dim, d), f"{a}.o_proj.weight", _heads_in(h, cfg.v_head_dim, d))
+
+
+def _gqa_specs(cfg: ModelConfig, a: str, A: Path, add: Callable) -> None:
+    """Qwen3-MoE grouped-query attention: q/k/v/o projections split per head, optional biases
+    (HF [H*K] <-> ours [H, K]), per-head q/k norms."""
+    d, h, g, k = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.attn_head_dim
+    for name, heads in (("q_proj", h), ("k_proj", g), ("v_proj", g)):
+        add(A + (name,), (d, heads, k), f"{a}.{name}.weight", _heads_out(d, heads, k))
+    add(A + ("o_proj",), (h, k, d), f"{a}.o_proj.weight", _heads_in(h, k, d))
+    if cfg.attention_bias:
+        for name, heads in (("q", h), ("k", g), ("v", g)):
+            add(A + (f"{name}_bias",), (heads, k), f"{a}.{name}_proj.bias",
+                _reshaped((heads * k,), (heads, k)))
+        add(A + ("o_bias",), (d,), f"{a}.o_proj.bias", _same((d,)))
+    if cfg.qk_norm:
+        add(A + ("q_norm", "scale"), (k,), f"{a}.q_norm.weight", _same((k,)))
+        add(A + ("k_norm", "scale"), (k,), f"{a}.k_norm.weight", _same((k,)))
 
 
 def hf_key_index(specs: list[ParamSpec]) -> dict[str, tuple[ParamSpec, int]]:

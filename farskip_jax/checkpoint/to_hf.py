@@ -1,4 +1,4 @@
-"""Orbax -> HF DeepSeek-V2: size-limited safetensors shards written as the parameters stream by.
+"""Orbax -> HF DeepSeek-V2 / Qwen3-MoE: size-limited safetensors shards written as the parameters stream by.
 
 Inputs: a directory written by `convert_hf_to_orbax` (marker `farskip_checkpoint.json`), or a
 training checkpoint step directory. For the latter we assume the trainer's Orbax CheckpointManager
@@ -7,8 +7,9 @@ pure dict (the same tree as `nnx.to_pure_dict(nnx.state(model, nnx.Param))`) sav
 Orbax PyTree, and item "meta" is a JSON item whose `model_config` (or `model`, or `config.model`)
 holds our ModelConfig as a dict (an HF config.json dict is accepted as well). Only "params" is read.
 
-A FarSkip model is exported with `modeling_farskip_deepseek_v2.py` (this package's remote code for
-transformers) registered in config.json, so that transformers runs FarSkip with trust_remote_code.
+A FarSkip model is exported with `modeling_farskip_deepseek_v2.py` or `modeling_farskip_qwen3_moe.py`
+(this package's remote code for transformers) registered in config.json, so that transformers runs
+FarSkip with trust_remote_code.
 
 Host memory stays bounded by one group (a layer's experts): every parameter group is restored on
 its own (a partial restore for training checkpoints), and shards are plain files whose header is
@@ -241,9 +242,12 @@ def convert_orbax_to_hf(input_dir: str | Path, output_dir: str | Path, *, dtype:
             (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                 indent=2) + "\n")
         hf_config = cfg.to_hf_dict()
+        stock = hf_config["architectures"][0]
+        remote_code, remote_cls = REMOTE_CODE[hf_config["model_type"]]
         if hf_config["farskip"]:
-            hf_config.update(REMOTE_CODE_CONFIG)
-            shutil.copyfile(REMOTE_CODE, tmp / REMOTE_CODE.name)
+            hf_config.update({"architectures": [remote_cls],
+                              "auto_map": {"AutoModelForCausalLM": f"{remote_code.stem}.{remote_cls}"}})
+            shutil.copyfile(remote_code, tmp / remote_code.name)
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     summary.bytes, summary.seconds = total, time.perf_counter() - t0
     log(summary.line(f"wrote {out} ({n} shard(s)):"))
@@ -251,18 +255,18 @@ def convert_orbax_to_hf(input_dir: str | Path, output_dir: str | Path, *, dtype:
         first, last = hf_config["farskip_start_idx"], hf_config["farskip_end_idx"]
         log(f"warning: FarSkip model (layers {first}..{last}): "
             f"load it with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True), "
-            f"which runs {REMOTE_CODE.name}; without trust_remote_code transformers builds the stock "
-            "DeepseekV2ForCausalLM, which ignores the FarSkip keys and runs regular connectivity "
-            "(a different model)")
+            f"which runs {remote_code.name}; without trust_remote_code transformers builds the stock "
+            f"{stock}, which ignores the FarSkip keys and runs regular connectivity (a different model)")
     return summary
 
 
-# The modeling file copied into every FarSkip export, and the config.json keys that register it, so
-# that transformers' Auto classes build the FarSkip model (with trust_remote_code=True).
-REMOTE_CODE = Path(__file__).with_name("modeling_farskip_deepseek_v2.py")
-REMOTE_CODE_CONFIG = {
-    "architectures": ["FarSkipDeepseekV2ForCausalLM"],
-    "auto_map": {"AutoModelForCausalLM": f"{REMOTE_CODE.stem}.FarSkipDeepseekV2ForCausalLM"},
+# By config.json model_type: the modeling file copied into every FarSkip export and its model class,
+# which config.json registers (`auto_map`) so that transformers' Auto classes build the FarSkip model
+# (with trust_remote_code=True).
+_HERE = Path(__file__).parent
+REMOTE_CODE = {
+    "deepseek_v2": (_HERE / "modeling_farskip_deepseek_v2.py", "FarSkipDeepseekV2ForCausalLM"),
+    "qwen3_moe": (_HERE / "modeling_farskip_qwen3_moe.py", "FarSkipQwen3MoeForCausalLM"),
 }
 
 

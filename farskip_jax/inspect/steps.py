@@ -146,11 +146,12 @@ def build_prefill_step(cfg: Config, batch: int, seq_len: int
 
 def build_decode_step(cfg: Config, batch: int, cache_len: int
                       ) -> Callable[[Mesh, str], tuple[Any, Sequence[Any]]]:
-    """One decode step in the TP layout: `batch` sequences each add one token against a latent cache
-    of `cache_len` tokens (the absorbed attention of `generation`), then the next token's logits.
-    The caches are donated, as the generator does, so they are updated in place."""
-    from farskip_jax.model.attention import LatentCache
+    """One decode step in the TP layout: `batch` sequences each add one token against a cache of
+    `cache_len` tokens (MLA: the absorbed attention over the latent cache, replicated; GQA: the
+    key/value cache, split with its heads), then the next token's logits. The caches are donated,
+    as the generator does, so they are updated in place."""
     from farskip_jax.model.layers import DTYPES
+    from farskip_jax.model.transformer import empty_cache
     from farskip_jax.parallel import tp_cached_forward
 
     def build(mesh: Mesh, mode: str):
@@ -160,9 +161,10 @@ def build_decode_step(cfg: Config, batch: int, cache_len: int
         p_shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
         fwd = tp_cached_forward(graphdef, params, mesh, prefill=False)
         replicated = NamedSharding(mesh, P())
-        dt = DTYPES[mcfg.dtype]
-        slots = lambda width: jax.ShapeDtypeStruct((batch, cache_len, width), dt, sharding=replicated)
-        cache = LatentCache(slots(mcfg.kv_lora_rank), slots(mcfg.qk_rope_head_dim))
+        cache_spec = P(None, None, "tensor") if mcfg.attention_kind == "gqa" else P()
+        cache = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, cache_spec)),
+            jax.eval_shape(lambda: empty_cache(mcfg, batch, cache_len, DTYPES[mcfg.dtype])))
         caches = tuple(cache for _ in range(mcfg.num_layers))
         column = jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=replicated)
 

@@ -1,4 +1,4 @@
-"""Small building blocks: RMSNorm, (YaRN) rotary embedding, SwiGLU MLP.
+"""Small building blocks: RMSNorm, (YaRN) rotary embedding (interleaved or rotate-half), SwiGLU MLP.
 
 Shape legend: B batch, T tokens (sequence), D model width, F MLP width, R rotary dims.
 Weights are stored `[in, out]`; parameters live in `param_dtype`, math runs in `dtype`.
@@ -80,7 +80,7 @@ def _yarn_inv_freq(dim: int, base: float, rs: RopeScaling) -> jnp.ndarray:
 
 def rope_tables(cfg: ModelConfig) -> tuple[jnp.ndarray, float]:
     """Inverse frequencies for the rotary dims and the cos/sin magnitude (YaRN's mscale ratio)."""
-    dim = cfg.qk_rope_head_dim
+    dim = cfg.rope_head_dim
     if cfg.rope_scaling is None:
         inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
         return inv, 1.0
@@ -101,13 +101,21 @@ def softmax_scale(cfg: ModelConfig) -> float:
     return scale
 
 
-def apply_rope(x: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array, magnitude: float) -> jax.Array:
-    """Rotates interleaved pairs (x[2i], x[2i+1]) by angle pos * inv_freq[i]; x is [B, T, ..., R]."""
+def apply_rope(x: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array, magnitude: float,
+               style: str = "interleaved") -> jax.Array:
+    """Rotates pairs of x [B, T, ..., R] by angle pos * inv_freq[i]: (x[2i], x[2i+1]) when `style` is
+    "interleaved" (DeepSeek-V2), (x[i], x[i + R/2]) when "half" (NeoX rotate-half, Qwen3-MoE)."""
     angles = positions_bt.astype(jnp.float32)[..., None] * inv_freq  # [B, T, R/2]
     extra = x.ndim - 3
     angles = angles.reshape(angles.shape[:2] + (1,) * extra + angles.shape[-1:])
     cos, sin = jnp.cos(angles) * magnitude, jnp.sin(angles) * magnitude
-    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
+    x32 = x.astype(jnp.float32)
+    if style == "half":
+        re, im = jnp.split(x32, 2, axis=-1)
+        return jnp.concatenate([re * cos - im * sin, im * cos + re * sin], axis=-1).astype(x.dtype)
+    if style != "interleaved":
+        raise ValueError(f"rope style {style!r}: expected 'interleaved' or 'half'")
+    pairs = x32.reshape(*x.shape[:-1], -1, 2)
     re, im = pairs[..., 0], pairs[..., 1]
     out = jnp.stack([re * cos - im * sin, re * sin + im * cos], axis=-1)
     return out.reshape(x.shape).astype(x.dtype)

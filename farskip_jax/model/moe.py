@@ -1,4 +1,4 @@
-"""DeepSeek-V2 MoE: router, shared experts, routed experts.
+"""The MoE block (DeepSeek-V2, Qwen3-MoE without shared experts): router, shared experts, routed experts.
 
 Shape legend: N tokens (batch x sequence, flattened), D model width, F expert width, E experts
 (local experts under expert/tensor parallelism), K experts per token.
@@ -37,7 +37,9 @@ class Routing:
 
 
 def route(x_nd: jax.Array, router_de: jax.Array, cfg: ModelConfig, seq_len: int) -> Routing:
-    """Softmax router, greedy or group-limited top-k, DeepSeek-V2 weight scaling, balance losses."""
+    """Softmax router in fp32, greedy or group-limited top-k, then the top-k weights renormalised
+    (`norm_topk_prob`, from top-`router_norm_min_k` up) or scaled by `routed_scaling_factor`
+    (DeepSeek-V2; Qwen3-MoE: factor 1, renormalised from top-1 up), and the balance losses."""
     logits = jnp.dot(x_nd.astype(jnp.float32), router_de.astype(jnp.float32))
     scores = jax.nn.softmax(logits, axis=-1)
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
@@ -50,7 +52,7 @@ def route(x_nd: jax.Array, router_de: jax.Array, cfg: ModelConfig, seq_len: int)
         expert_mask = jnp.repeat(group_mask, e // cfg.n_group, axis=-1)
         masked = jnp.where(expert_mask > 0, scores, 0.0)
     weights, experts = jax.lax.top_k(masked, k)
-    if k > 1 and cfg.norm_topk_prob:
+    if cfg.norm_topk_prob and k >= cfg.router_norm_min_k:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     else:
         weights = weights * cfg.routed_scaling_factor

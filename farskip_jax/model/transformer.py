@@ -1,4 +1,5 @@
-"""DeepSeek-V2 decoder: embedding, layer stack wired by `residual_step`, final norm, LM head.
+"""The decoder (DeepSeek-V2, Qwen3-MoE): embedding, layer stack wired by `residual_step`, final
+norm, LM head. The attention module comes from `ModelConfig.attention_kind` (`attention_module`).
 
 Shape legend: B batch, T tokens, D model width, V vocabulary.
 """
@@ -28,6 +29,7 @@ from farskip_jax.model.farskip import (
     residual_step,
     residual_step_chunks,
 )
+from farskip_jax.model.gqa_attention import GQAttention, KVCache
 from farskip_jax.model.layers import DTYPES, MLP, RMSNorm, normal_init
 from farskip_jax.model.moe import MoE, RoutedFn, local_routed
 
@@ -40,12 +42,27 @@ class Parallelism(Protocol):
     reduce: ReduceFn | None
 
 
+# One layer's inference cache: MLA's latents or GQA's per-head keys and values.
+AttentionCache = LatentCache | KVCache
+
+
+def attention_module(cfg: ModelConfig) -> type[MLAttention] | type[GQAttention]:
+    """The attention class of `cfg.attention_kind` (both share one interface)."""
+    return GQAttention if cfg.attention_kind == "gqa" else MLAttention
+
+
+def empty_cache(cfg: ModelConfig, batch: int, slots: int, dtype: jnp.dtype) -> AttentionCache:
+    """One layer's empty inference cache for `cfg`'s attention kind."""
+    cache_type = KVCache if cfg.attention_kind == "gqa" else LatentCache
+    return cache_type.empty(cfg, batch, slots, dtype)
+
+
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, idx: int, rngs: nnx.Rngs):
         pd = DTYPES[cfg.param_dtype]
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
-        self.attn = MLAttention(cfg, rngs)
+        self.attn = attention_module(cfg)(cfg, rngs)
         self.is_moe = cfg.is_moe_layer(idx)
         self.tp_order_barriers = cfg.tp_order_barriers
         self.batch_split_stagger = cfg.batch_split_stagger
@@ -84,13 +101,14 @@ class DecoderLayer(nnx.Module):
         with jax.named_scope("mlp"):
             return FFNOut(None, self.mlp(h), {})
 
-    def cached(self, x: jax.Array, y: Stale, positions: jax.Array, cache: LatentCache, conn: Connectivity,
+    def cached(self, x: jax.Array, y: Stale, positions: jax.Array, cache: AttentionCache, conn: Connectivity,
                routed_fn: RoutedFn, reduce: ReduceFn | None, prefill: bool
-               ) -> tuple[jax.Array, Stale, LatentCache]:
-        """(x', y', cache'): this layer at inference, reading and extending its latent cache. Prefill
-        (the prompts, one causal segment per row) runs the training attention, decode the absorbed
-        one; the residual wiring, FarSkip's included, is `residual_step` as everywhere."""
-        written: list[LatentCache] = []
+               ) -> tuple[jax.Array, Stale, AttentionCache]:
+        """(x', y', cache'): this layer at inference, reading and extending its cache. Prefill (the
+        prompts, one causal segment per row) runs the training attention, decode the cached one
+        (MLA: the absorbed form); the residual wiring, FarSkip's included, is `residual_step` as
+        everywhere."""
+        written: list[AttentionCache] = []
 
         def attn(h: jax.Array) -> jax.Array:
             with jax.named_scope("attention"):
@@ -207,10 +225,10 @@ class Transformer(nnx.Module):
         logits = self.logits(hidden) if compute_logits else None
         return ModelOutput(logits, hidden, aux_sum, tuple(outputs))
 
-    def cached_forward(self, input_ids: jax.Array, positions: jax.Array, caches: tuple[LatentCache, ...],
+    def cached_forward(self, input_ids: jax.Array, positions: jax.Array, caches: tuple[AttentionCache, ...],
                        *, prefill: bool, parallel: Parallelism | None = None
-                       ) -> tuple[jax.Array, tuple[LatentCache, ...]]:
-        """Inference over per-layer latent caches: (final-normed hidden [B, T, D], updated caches).
+                       ) -> tuple[jax.Array, tuple[AttentionCache, ...]]:
+        """Inference over per-layer caches (`empty_cache`): (final-normed hidden [B, T, D], updated caches).
         `prefill`: `input_ids` [B, T] are the prompts (right-padded rows: the padding is written to
         the cache but never attended to); otherwise each row's new tokens at `positions`."""
         cfg = self.cfg

@@ -59,7 +59,7 @@ from farskip_jax.model.dispatch import (
     weighted_sum,
 )
 from farskip_jax.model.moe import RoutedExperts, Routing, SharedFn
-from farskip_jax.parallel.mesh import BATCH_AXES, param_specs_tree
+from farskip_jax.parallel.mesh import BATCH_AXES, check_tensor_layout, param_specs_tree
 
 
 def resolve_exchange(mode: str, mesh: Mesh) -> str:
@@ -428,6 +428,7 @@ def ep_forward(graphdef: nnx.GraphDef, mesh: Mesh) -> Callable[..., Any]:
 def tp_forward(graphdef: nnx.GraphDef, state_like: Any, mesh: Mesh) -> Callable[..., Any]:
     """`f(state, input_ids, positions, segment_ids) -> (logits, hidden)`: the inference TP layout
     (with the model's `tp_reduce`; `tp_microbatches` is read by the model itself)."""
+    check_tensor_layout(nnx.merge(graphdef, state_like).cfg, mesh.shape["tensor"])
     specs = param_specs_tree(state_like, "tp")
 
     def body(state, input_ids, positions, segment_ids):
@@ -451,16 +452,20 @@ def tp_forward(graphdef: nnx.GraphDef, state_like: Any, mesh: Mesh) -> Callable[
 def tp_cached_forward(graphdef: nnx.GraphDef, state_like: Any, mesh: Mesh, prefill: bool
                       ) -> Callable[..., Any]:
     """`f(state, input_ids, positions, caches) -> (hidden, caches)`: `Transformer.cached_forward` in
-    the inference TP layout. Heads and experts are split; the latent caches are replicated (MLA
-    caches one latent per token for all heads), and every rank writes the same values into them."""
+    the inference TP layout. Heads and experts are split; MLA's latent caches are replicated (one
+    latent per token for all heads: every rank writes the same values into them), GQA's key/value
+    caches are split with their heads."""
+    cfg = nnx.merge(graphdef, state_like).cfg
+    check_tensor_layout(cfg, mesh.shape["tensor"])
     specs = param_specs_tree(state_like, "tp")
+    caches = P(None, None, "tensor") if cfg.attention_kind == "gqa" else P()
 
     def body(state, input_ids, positions, caches):
         model = nnx.merge(graphdef, state)
         par = TensorParallel(device=mesh.devices.flat[0], mode=model.cfg.tp_reduce)
         return model.cached_forward(input_ids, positions, caches, prefill=prefill, parallel=par)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(), P(), P()), out_specs=(P(), P()),
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(), P(), caches), out_specs=(P(), caches),
                          check_vma=False)
 
 

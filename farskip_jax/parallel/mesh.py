@@ -7,7 +7,8 @@ activations replicated inside the group, attention heads and experts split over 
 Training (EP) layout: routed experts split over `expert` on their leading axis; every other
 parameter replicated (DeepSeek-V2-Lite's non-expert weights are ~1.4B parameters: replicating
 them keeps attention free of collectives, which is what lets the all-to-alls hide behind it).
-Inference (TP) layout: heads and expert axes split over `tensor`, the rest replicated.
+Inference (TP) layout: heads (GQA: query and key/value heads) and expert axes split over `tensor`,
+the rest replicated.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from farskip_jax.config import MeshConfig
+from farskip_jax.config import ConfigError, MeshConfig, ModelConfig
 
 AXES = ("data", "expert", "tensor")
 BATCH_AXES = ("data", "expert")
@@ -62,6 +63,9 @@ _RULES: dict[Layout, list[tuple[str, P]]] = {
         ("moe/experts/w_up", P("tensor", None, None)),
         ("moe/experts/w_down", P("tensor", None, None)),
         ("attn/q_proj", P(None, "tensor", None)),
+        # GQA: each rank holds the key/value heads its query heads read (model/gqa_attention.py).
+        ("attn/k_proj", P(None, "tensor", None)),
+        ("attn/v_proj", P(None, "tensor", None)),
         ("attn/q_b_proj", P(None, "tensor", None)),
         ("attn/kv_b_proj", P(None, "tensor", None)),
         ("attn/o_proj", P("tensor", None, None)),
@@ -73,6 +77,19 @@ _RULES: dict[Layout, list[tuple[str, P]]] = {
         ("mlp/down_proj", P("tensor", None)),
     ],
 }
+
+
+def check_tensor_layout(cfg: ModelConfig, tensor: int) -> None:
+    """Raises ConfigError unless the TP layout can split `cfg` over `tensor` ranks evenly."""
+    if tensor == 1:
+        return
+    bad = [f"{name} ({size})" for name, size in cfg.tensor_split_sizes().items() if size % tensor]
+    if bad:
+        raise ConfigError(f"mesh.tensor={tensor} does not divide the model's {', '.join(bad)}: tensor "
+                          "parallelism splits each of them over the tensor axis")
+    if cfg.attention_bias:
+        raise ConfigError("model.attention_bias with mesh.tensor > 1 is not supported: the o_proj bias "
+                          "would be added once per rank to the partial sums")
 
 
 def partition_spec(path: tuple, layout: Layout) -> P:

@@ -1,4 +1,4 @@
-"""Shared helpers for the HF-parity tests: tiny random DeepSeek-V2 models in torch and JAX.
+"""Shared helpers for the HF-parity tests: tiny random DeepSeek-V2 and Qwen3-MoE models in torch and JAX.
 
 Not a test module. Imported by tests/model/* and tests/test_cli_logits.py. HF models are built
 with random weights of a scale that gives logits of order 1 (normal std 0.2 for matrices and
@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import torch
 from flax import nnx
-from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 # Collected by tests/model/conftest.py and printed in the terminal summary.
 PARITY_RESULTS: list[tuple[str, str, float]] = []
@@ -44,6 +44,26 @@ def tiny_hf_config(**kw: Any) -> DeepseekV2Config:
     return cfg
 
 
+def tiny_qwen3_config(**kw: Any) -> Qwen3MoeConfig:
+    """A Qwen3-MoE config of the same scale: GQA (4 query, 2 key/value heads), head_dim 12 != 32 / 4."""
+    base: dict[str, Any] = dict(
+        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=64,
+        tie_word_embeddings=False, rms_norm_eps=1e-6, rope_parameters=dict(PLAIN_ROPE))
+    base.update(kw)
+    if base["head_dim"] is None:  # unset: HF reads hidden / heads
+        del base["head_dim"]
+    cfg = Qwen3MoeConfig(**base)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def build_qwen3(cfg: Qwen3MoeConfig, seed: int = 0) -> Qwen3MoeForCausalLM:
+    torch.manual_seed(seed)
+    return randomize_(Qwen3MoeForCausalLM(cfg).eval(), seed)
+
+
 def randomize_(model: torch.nn.Module, seed: int, std: float = 0.2) -> torch.nn.Module:
     """In place: norms ~ U(0.5, 1.5), every other parameter ~ N(0, std^2)."""
     g = torch.Generator().manual_seed(seed)
@@ -62,7 +82,7 @@ def build_hf(cfg: DeepseekV2Config, seed: int = 0) -> DeepseekV2ForCausalLM:
     return randomize_(model, seed)
 
 
-def save_hf(model: DeepseekV2ForCausalLM, directory: Path, max_shard_size: str | None = None) -> Path:
+def save_hf(model: torch.nn.Module, directory: Path, max_shard_size: str | None = None) -> Path:
     kw = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(directory, **kw)
     return directory
@@ -73,7 +93,7 @@ def random_ids(vocab: int, batch: int = 2, seq: int = 17, seed: int = 0) -> np.n
 
 
 @torch.no_grad()
-def hf_logits(model: DeepseekV2ForCausalLM, ids: np.ndarray) -> np.ndarray:
+def hf_logits(model: torch.nn.Module, ids: np.ndarray) -> np.ndarray:
     return model(torch.as_tensor(ids, dtype=torch.long), use_cache=False).logits.float().numpy()
 
 

@@ -1,0 +1,213 @@
+"""HF config.json <-> ModelConfig fields, one reader and one writer per HF family.
+
+`ModelConfig.from_hf_dict` / `to_hf_dict` (farskip_jax/config.py) are the entry points; the family
+is config.json's `model_type` when reading (`qwen3_moe`, else DeepSeek-V2) and
+`ModelConfig.attention_kind` when writing (gqa: Qwen3-MoE, mla: DeepSeek-V2). FarSkip settings
+use Instella-MoE's keys in both families.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from farskip_jax.config import ConfigError, FarSkipConfig, RopeScaling
+
+if TYPE_CHECKING:
+    from farskip_jax.config import ModelConfig
+
+
+def model_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """ModelConfig keyword arguments for an HF config.json (not yet validated)."""
+    if hf.get("model_type") == "qwen3_moe":
+        return _qwen3_moe_fields(hf)
+    return _deepseek_v2_fields(hf)
+
+
+def hf_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """The HF config.json of `cfg`'s family; ConfigError if that family's HF class cannot express it."""
+    return _qwen3_moe_hf_dict(cfg) if cfg.attention_kind == "gqa" else _deepseek_v2_hf_dict(cfg)
+
+
+def _deepseek_v2_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """ModelConfig fields of an HF DeepseekV2 config.json (both rope generations)."""
+    arch = hf.get("architectures") or []
+    if any("Instella" in a for a in arch) or hf.get("gated_attention"):
+        raise ConfigError(
+            f"config.json architectures={arch}: gated-attention (Instella-MoE) checkpoints are not "
+            "DeepSeek-V2 and are not supported; loading them as DeepSeek-V2 would run the wrong model")
+    method = hf.get("topk_method") or "greedy"
+    allowed = ("greedy", "group_limited_greedy")
+    if method not in allowed:
+        raise ConfigError(f"config.json topk_method={method!r} is not supported; allowed: {allowed}")
+    rope_scaling, rope_theta = _rope_from_hf(hf)
+    kw: dict[str, Any] = dict(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"], moe_intermediate_size=hf["moe_intermediate_size"],
+        num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+        q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
+        qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+        v_head_dim=hf["v_head_dim"], n_routed_experts=hf["n_routed_experts"],
+        n_shared_experts=hf.get("n_shared_experts") or 0,
+        num_experts_per_tok=hf["num_experts_per_tok"],
+        first_k_dense_replace=hf.get("first_k_dense_replace", 0),
+        moe_layer_freq=hf.get("moe_layer_freq", 1), routing=method,
+        n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
+        rope_scaling=rope_scaling, max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        aux_loss_alpha=float(hf.get("aux_loss_alpha", 0.001)), seq_aux=bool(hf.get("seq_aux", True)),
+        farskip=_farskip_from_hf(hf),
+    )
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"config.json hidden_act={hf['hidden_act']!r}: only 'silu' is supported")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ConfigError("config.json attention_bias/mlp_bias=true is not supported by DeepSeek-V2")
+    return kw
+
+
+def _deepseek_v2_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """An HF DeepseekV2 config.json (transformers 5 `rope_parameters` and legacy `rope_scaling`)."""
+    if cfg.mlp_only_layers or cfg.moe_layer_offset or cfg.router_norm_min_k != 2:
+        raise ConfigError("mlp_only_layers, moe_layer_offset and router_norm_min_k != 2 cannot be "
+                          "written as a DeepseekV2 config.json")
+    rope: dict[str, Any] = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+    if cfg.rope_scaling is not None:
+        rs = cfg.rope_scaling
+        rope = {"rope_theta": cfg.rope_theta, "rope_type": "yarn", "factor": rs.factor,
+                "original_max_position_embeddings": rs.original_max_position_embeddings,
+                "beta_fast": rs.beta_fast, "beta_slow": rs.beta_slow, "mscale": rs.mscale,
+                "mscale_all_dim": rs.mscale_all_dim}
+    return {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_heads, "q_lora_rank": cfg.q_lora_rank,
+        "kv_lora_rank": cfg.kv_lora_rank, "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim,
+        "n_routed_experts": cfg.n_routed_experts, "n_shared_experts": cfg.n_shared_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "first_k_dense_replace": cfg.first_k_dense_replace, "moe_layer_freq": cfg.moe_layer_freq,
+        "topk_method": cfg.routing, "n_group": cfg.n_group, "topk_group": cfg.topk_group,
+        "routed_scaling_factor": cfg.routed_scaling_factor, "norm_topk_prob": cfg.norm_topk_prob,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_parameters": rope,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "hidden_act": "silu",
+        "attention_bias": False, "mlp_bias": False, "aux_loss_alpha": cfg.aux_loss_alpha,
+        "seq_aux": cfg.seq_aux, "bos_token_id": 100000, "eos_token_id": 100001,
+        "dtype": "bfloat16" if cfg.param_dtype == "bfloat16" else "float32",
+        **_farskip_hf_keys(cfg),
+    }
+
+
+def _qwen3_moe_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """ModelConfig fields of an HF Qwen3-MoE config.json, read as transformers' Qwen3Moe* classes
+    read them (MODEL_FAMILIES.md): `head_dim` defaults to hidden / heads, the sliding window is off
+    unless `use_sliding_window`, every layer but `mlp_only_layers` with (i + 1) % decoder_sparse_step
+    == 0 is MoE, and the router renormalises its top-k weights (even top-1) when `norm_topk_prob`."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"config.json hidden_act={hf['hidden_act']!r}: only 'silu' is supported")
+    if hf.get("use_sliding_window"):
+        raise ConfigError("config.json use_sliding_window=true: sliding-window attention is not supported")
+    # Published configs say num_experts; transformers 5 writes its alias num_local_experts.
+    experts = hf.get("num_experts", hf.get("num_local_experts", 128))
+    if not experts:
+        raise ConfigError("config.json num_experts=0 is a dense model; only MoE models are supported")
+    rope_scaling, rope_theta = _rope_from_hf(hf)
+    if rope_scaling is not None:
+        raise ConfigError("config.json: Qwen3-MoE with RoPE scaling is not supported (rope type must be "
+                          "'default')")
+    heads = hf["num_attention_heads"]
+    return dict(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
+        moe_intermediate_size=hf["moe_intermediate_size"], num_layers=hf["num_hidden_layers"],
+        num_heads=heads, attention_kind="gqa", num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim"), qk_norm=True, attention_bias=bool(hf.get("attention_bias", False)),
+        rope_style="half", n_routed_experts=experts, n_shared_experts=0,
+        num_experts_per_tok=hf.get("num_experts_per_tok", 8), first_k_dense_replace=0,
+        moe_layer_freq=hf.get("decoder_sparse_step", 1), moe_layer_offset=1,
+        mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()), routing="greedy", routed_scaling_factor=1.0,
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)), router_norm_min_k=1,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta, rope_scaling=None,
+        max_position_embeddings=hf.get("max_position_embeddings", 32768),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        aux_loss_alpha=float(hf.get("router_aux_loss_coef", 0.001)), seq_aux=False,
+        farskip=_farskip_from_hf(hf))
+
+
+def _qwen3_moe_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """An HF Qwen3MoeForCausalLM config.json; the inverse of `_qwen3_moe_fields`."""
+    fixed = {"qk_norm": True, "rope_style": "half", "n_shared_experts": 0, "first_k_dense_replace": 0,
+             "moe_layer_offset": 1, "router_norm_min_k": 1, "routed_scaling_factor": 1.0,
+             "routing": "greedy", "rope_scaling": None}
+    differ = [f"{k}={getattr(cfg, k)!r} (Qwen3-MoE has {v!r})" for k, v in fixed.items()
+              if getattr(cfg, k) != v]
+    if differ:
+        raise ConfigError("this GQA config cannot be written as a Qwen3-MoE config.json: "
+                          + ", ".join(differ))
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        # Unset: HF reads hidden / heads too; omitted so that the config round-trips.
+        **({} if cfg.head_dim is None else {"head_dim": cfg.head_dim}),
+        "num_experts": cfg.n_routed_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
+        "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": cfg.moe_layer_freq,
+        "mlp_only_layers": list(cfg.mlp_only_layers), "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "hidden_act": "silu",
+        "attention_bias": cfg.attention_bias, "use_sliding_window": False,
+        "router_aux_loss_coef": cfg.aux_loss_alpha,
+        "dtype": "bfloat16" if cfg.param_dtype == "bfloat16" else "float32",
+        **_farskip_hf_keys(cfg),
+    }
+
+
+# ---- shared by both families ----------------------------------------------------------------
+
+
+def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[RopeScaling | None, float]:
+    """Reads `rope_scaling` (published DeepSeek-V2) or `rope_parameters` (transformers 5)."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return None, theta
+    if kind != "yarn":
+        raise ConfigError(f"config.json rope type {kind!r} is not supported; allowed: 'default', 'yarn'")
+    return RopeScaling(
+        factor=float(params["factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+        mscale=float(params.get("mscale") or 1.0), mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+    ), theta
+
+
+def _farskip_from_hf(hf: Mapping[str, Any]) -> FarSkipConfig:
+    """FarSkip settings from Instella-MoE's keys (plus ours, `farskip_stale_blocks`)."""
+    return FarSkipConfig(
+        enabled=bool(hf.get("farskip", False)), start_idx=hf.get("farskip_start_idx"),
+        end_idx=hf.get("farskip_end_idx"), attn_only=bool(hf.get("attn_only_farskip", False)),
+        mlp_only=bool(hf.get("mlp_only_farskip", False)), stale_blocks=int(hf.get("farskip_stale_blocks", 1)))
+
+
+def _farskip_hf_keys(cfg: ModelConfig) -> dict[str, Any]:
+    """FarSkip keys as Instella-MoE writes them, for FarSkip-aware serving code."""
+    fs = cfg.farskip
+    fs_range = fs.layer_range(cfg.num_layers)
+    on = fs.enabled and len(fs_range) > 0
+    return {
+        "farskip": bool(on),
+        "farskip_start_idx": fs_range.start if on else None,
+        "farskip_end_idx": fs_range.stop - 1 if on else None,
+        "attn_only_farskip": fs.attn_only, "mlp_only_farskip": fs.mlp_only,
+        # Ours (no Instella key): written only for the experimental stale_blocks=2 model, so
+        # that it does not load back as the paper's FarSkip.
+        **({"farskip_stale_blocks": fs.stale_blocks} if fs.stale_blocks != 1 else {}),
+    }
