@@ -79,9 +79,10 @@ class FarSkipConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """DeepSeek-V2 and Qwen3-MoE hyper-parameters (names follow HF's DeepseekV2Config where one
-    exists). The fields below `tie_word_embeddings`'s group that say what the architecture does
-    (attention kind, qk-norm, RoPE layout, layer rule, router normalisation) default to DeepSeek-V2."""
+    """DeepSeek-V2/V3, Instella-MoE and Qwen3-MoE hyper-parameters (names follow HF's DeepseekV2Config
+    where one exists). The fields below `tie_word_embeddings`'s group that say what the architecture
+    does (attention kind, qk-norm, RoPE layout, layer rule, router scores and normalisation, attention
+    gate) default to DeepSeek-V2."""
 
     vocab_size: int = 102400
     hidden_size: int = 2048
@@ -120,8 +121,10 @@ class ModelConfig:
     head_dim: int | None = None
     qk_norm: bool = False
     attention_bias: bool = False
-    # RoPE pairs: "interleaved" rotates (x[2i], x[2i+1]) (DeepSeek-V2's complex form), "half"
-    # rotates (x[i], x[i + R/2]) (NeoX rotate-half: Qwen3-MoE, Llama).
+    # RoPE pairs: "interleaved" rotates (x[2i], x[2i+1]) (DeepSeek-V2's complex form; DeepSeek-V3's
+    # rope_interleave=true, whose output order differs by one permutation of q and k alike, so the
+    # scores are the same), "half" rotates (x[i], x[i + R/2]) (NeoX rotate-half: Qwen3-MoE, Llama,
+    # DeepSeek-V3 with rope_interleave=false).
     rope_style: Literal["interleaved", "half"] = "interleaved"
     # Layer rule: layer i is MoE iff i >= first_k_dense_replace, i not in mlp_only_layers and
     # (i + moe_layer_offset) % moe_layer_freq == 0. DeepSeek-V2: offset 0; Qwen3-MoE: offset 1 with
@@ -129,8 +132,23 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     moe_layer_offset: int = 0
     # norm_topk_prob renormalises the top-k weights only when num_experts_per_tok >= this:
-    # DeepSeek's code skips it for top-1 (2), Qwen3-MoE always renormalises (1).
+    # DeepSeek's code skips it for top-1 (2), Qwen3-MoE and DeepSeek-V3 always renormalise (1).
     router_norm_min_k: int = 2
+    # Router scores: softmax over the experts (DeepSeek-V2, Qwen3-MoE) or an independent sigmoid per
+    # expert (DeepSeek-V3). `router_bias`: a per-expert bias (HF `e_score_correction_bias`) added to
+    # the scores for choosing experts only; the combine weights come from the unbiased scores. It is
+    # balanced by a rule outside gradient descent, so the model never passes it a gradient.
+    router_score: Literal["softmax", "sigmoid"] = "softmax"
+    router_bias: bool = False
+    # Group-limited routing: a group's score is its best expert's score (DeepSeek-V2) or the sum of
+    # its two best (DeepSeek-V3, on the biased scores).
+    group_score: Literal["max", "top2_sum"] = "max"
+    # routed_scaling_factor multiplies the weights after norm_topk_prob too (DeepSeek-V3); otherwise
+    # only the unnormalised weights (DeepSeek-V2's code).
+    scale_normalized_weights: bool = False
+    # Gated attention (Instella-MoE): the per-head attention output is multiplied by
+    # sigmoid(normed input @ W_gate) before o_proj; W_gate [D, H, V] (HF `self_attn.gate_proj`).
+    attn_output_gate: bool = False
     # Auxiliary balance losses of DeepSeek-V2 (expert level, device level); returned, never
     # added by the model itself.
     aux_loss_alpha: float = 0.001
@@ -284,8 +302,7 @@ class ModelConfig:
     def _validate_architecture(self) -> None:
         """The attention-kind, RoPE, layer-rule and router fields."""
         if self.attention_kind == "mla":
-            gqa_only = {"num_kv_heads": None, "head_dim": None, "qk_norm": False, "attention_bias": False,
-                        "rope_style": "interleaved"}
+            gqa_only = {"num_kv_heads": None, "head_dim": None, "qk_norm": False, "attention_bias": False}
             for name, default in gqa_only.items():
                 if getattr(self, name) != default:
                     raise ConfigError(f"model.{name}={getattr(self, name)!r} applies to "
@@ -303,6 +320,9 @@ class ModelConfig:
             if self.rope_scaling is not None:
                 raise ConfigError("model.rope_scaling (YaRN) is implemented as DeepSeek-V2's MLA defines it; "
                                   "model.attention_kind=gqa supports plain RoPE only (rope_scaling: null)")
+            if self.attn_output_gate:
+                raise ConfigError("model.attn_output_gate is implemented for model.attention_kind=mla only "
+                                  "(Instella-MoE)")
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
         if bad:
             raise ConfigError(f"model.mlp_only_layers: layer {bad[0]} is not in [0, {self.num_layers - 1}]")
@@ -310,6 +330,10 @@ class ModelConfig:
             raise ConfigError(f"model.moe_layer_offset must be >= 0, got {self.moe_layer_offset}")
         if self.router_norm_min_k < 1:
             raise ConfigError(f"model.router_norm_min_k must be >= 1, got {self.router_norm_min_k}")
+        if (self.routing == "group_limited_greedy" and self.group_score == "top2_sum"
+                and self.n_routed_experts // self.n_group < 2):
+            raise ConfigError(f"model.group_score=top2_sum needs >= 2 experts per group, got "
+                              f"n_routed_experts={self.n_routed_experts} / n_group={self.n_group}")
 
     # ---- HF config.json <-> ModelConfig (farskip_jax/hf_config.py) ------------------------
 

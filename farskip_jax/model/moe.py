@@ -1,4 +1,4 @@
-"""The MoE block (DeepSeek-V2, Qwen3-MoE without shared experts): router, shared experts, routed experts.
+"""The MoE block (DeepSeek-V2/V3, Qwen3-MoE without shared experts): router, shared experts, routed experts.
 
 Shape legend: N tokens (batch x sequence, flattened), D model width, F expert width, E experts
 (local experts under expert/tensor parallelism), K experts per token.
@@ -36,27 +36,43 @@ class Routing:
     seq_len: int = dataclasses.field(metadata={"static": True})
 
 
-def route(x_nd: jax.Array, router_de: jax.Array, cfg: ModelConfig, seq_len: int) -> Routing:
-    """Softmax router in fp32, greedy or group-limited top-k, then the top-k weights renormalised
-    (`norm_topk_prob`, from top-`router_norm_min_k` up) or scaled by `routed_scaling_factor`
-    (DeepSeek-V2; Qwen3-MoE: factor 1, renormalised from top-1 up), and the balance losses."""
+def route(x_nd: jax.Array, router_de: jax.Array, cfg: ModelConfig, seq_len: int,
+          bias_e: jax.Array | None = None) -> Routing:
+    """The router in fp32: scores (softmax, or sigmoid for DeepSeek-V3), experts chosen by greedy or
+    group-limited top-k on the scores plus `bias_e` (DeepSeek-V3's correction bias; choice only),
+    combine weights gathered from the unbiased scores, renormalised (`norm_topk_prob`, from
+    top-`router_norm_min_k` up) and/or scaled by `routed_scaling_factor` (after renormalising only
+    when `scale_normalized_weights`), and the balance losses."""
     logits = jnp.dot(x_nd.astype(jnp.float32), router_de.astype(jnp.float32))
-    scores = jax.nn.softmax(logits, axis=-1)
+    if cfg.router_score == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        scores = jax.nn.softmax(logits, axis=-1)
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    masked = scores
+    # The bias only steers the choice: balanced outside gradient descent, it never gets a gradient.
+    choice = scores if bias_e is None else scores + jax.lax.stop_gradient(bias_e.astype(jnp.float32))
     if cfg.routing == "group_limited_greedy":
-        group_scores = scores.reshape(-1, cfg.n_group, e // cfg.n_group).max(axis=-1)  # [N, G]
+        grouped = choice.reshape(-1, cfg.n_group, e // cfg.n_group)
+        if cfg.group_score == "top2_sum":
+            group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [N, G]
+        else:
+            group_scores = grouped.max(axis=-1)
         _, top_groups = jax.lax.top_k(group_scores, cfg.topk_group)
         rows = jnp.arange(scores.shape[0])[:, None]
         group_mask = jnp.zeros_like(group_scores).at[rows, top_groups].set(1.0)
         expert_mask = jnp.repeat(group_mask, e // cfg.n_group, axis=-1)
-        masked = jnp.where(expert_mask > 0, scores, 0.0)
-    weights, experts = jax.lax.top_k(masked, k)
-    if cfg.norm_topk_prob and k >= cfg.router_norm_min_k:
+        # -inf, not 0: biased sigmoid scores may be negative.
+        choice = jnp.where(expert_mask > 0, choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    renorm = cfg.norm_topk_prob and k >= cfg.router_norm_min_k
+    if renorm:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-    else:
+    if not renorm or cfg.scale_normalized_weights:
         weights = weights * cfg.routed_scaling_factor
-    return Routing(weights, experts.astype(jnp.int32), balance_losses(scores, experts, cfg, seq_len), seq_len)
+    # DeepSeek-V3's sequence-wise balance loss reads each token's sigmoid scores normalised to sum 1.
+    probs = scores / jnp.sum(scores, axis=-1, keepdims=True) if cfg.router_score == "sigmoid" else scores
+    return Routing(weights, experts.astype(jnp.int32), balance_losses(probs, experts, cfg, seq_len), seq_len)
 
 
 def balance_losses(scores_ne: jax.Array, experts_nk: jax.Array, cfg: ModelConfig,
@@ -115,6 +131,11 @@ def local_routed(x_nd: jax.Array, routing: Routing, experts: RoutedExperts,
 class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.router = normal_init(rngs, (cfg.hidden_size, cfg.n_routed_experts), DTYPES[cfg.param_dtype])
+        if cfg.router_bias:
+            # An nnx.Param so that every Param-filtered path (trainer state, checkpoints, converters)
+            # carries it; `route` stops its gradient and the optimizer's decay mask skips 1-D leaves,
+            # so training leaves it unchanged.
+            self.router_bias = nnx.Param(jnp.zeros((cfg.n_routed_experts,), DTYPES[cfg.param_dtype]))
         self.experts = RoutedExperts(cfg, rngs)
         self.shared = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg, rngs)
                        if cfg.n_shared_experts > 0 else None)
@@ -126,7 +147,8 @@ class MoE(nnx.Module):
         b, t, d = x_btd.shape
         x_nd = x_btd.reshape(b * t, d)
         with jax.named_scope("router"):
-            routing = route(x_nd, self.router[...], self.cfg, seq_len=t)
+            bias = self.router_bias[...] if self.cfg.router_bias else None
+            routing = route(x_nd, self.router[...], self.cfg, seq_len=t, bias_e=bias)
         shared_fn = None
         if self.shared is not None:
             mlp = self.shared
