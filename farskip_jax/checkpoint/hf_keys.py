@@ -1,11 +1,12 @@
-"""The one table between HF tensor names (DeepseekV2, Qwen3-MoE) and our NNX parameter paths.
+"""The one table between HF tensor names (DeepseekV2/V3, Instella-MoE, Qwen3-MoE) and our NNX parameter paths.
 
 Each `ParamSpec` names one parameter of our model, the HF tensor(s) it comes from, and the
 exact layout transforms in both directions. Routed experts are one stacked [E, ...] array
 here and E separate tensors in HF files (`mlp.experts.N.gate_proj.weight`). HF stores linear
 weights as [out, in]; we store [in, out] and split head dimensions out ([D, H, K]). The two
 families share every name but the attention's (`_mla_specs`, `_gqa_specs`, chosen by
-`ModelConfig.attention_kind`); Qwen3-MoE has no shared experts and no `lm_head` when tied.
+`ModelConfig.attention_kind`); Qwen3-MoE has no shared experts and no `lm_head` when tied;
+DeepSeek-V3 adds the router's `e_score_correction_bias`, Instella-MoE the attention `gate_proj`.
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
         if cfg.is_moe_layer(i):
             f, M = cfg.moe_intermediate_size, L + ("moe",)
             add(M + ("router",), (d, e), f"{m}.gate.weight", _linear(d, e))
+            if cfg.router_bias:
+                add(M + ("router_bias",), (e,), f"{m}.gate.e_score_correction_bias", _same((e,)))
             for ours, theirs, (di, do) in (("w_gate", "gate_proj", (d, f)), ("w_up", "up_proj", (d, f)),
                                            ("w_down", "down_proj", (f, d))):
                 keys = [f"{m}.experts.{j}.{theirs}.weight" for j in range(e)]
@@ -125,6 +128,9 @@ def _mla_specs(cfg: ModelConfig, a: str, A: Path, add: Callable) -> None:
     nv = cfg.qk_nope_head_dim + cfg.v_head_dim
     add(A + ("kv_b_proj",), (c, h, nv), f"{a}.kv_b_proj.weight", _heads_out(c, h, nv))
     add(A + ("o_proj",), (h, cfg.v_head_dim, d), f"{a}.o_proj.weight", _heads_in(h, cfg.v_head_dim, d))
+    if cfg.attn_output_gate:  # Instella-MoE: HF [H*V, D] like q_proj's head-major rows
+        v = cfg.v_head_dim
+        add(A + ("gate_proj",), (d, h, v), f"{a}.gate_proj.weight", _heads_out(d, h, v))
 
 
 def _gqa_specs(cfg: ModelConfig, a: str, A: Path, add: Callable) -> None:

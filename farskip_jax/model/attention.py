@@ -1,4 +1,5 @@
-"""Multi-head latent attention (MLA) of DeepSeek-V2, with q-LoRA on or off.
+"""Multi-head latent attention (MLA) of DeepSeek-V2/V3, with q-LoRA on or off, and Instella-MoE's
+output gate (`attn_output_gate`: the heads' outputs times sigmoid(normed input @ W_gate) before o_proj).
 
 Shape legend: B batch, T query tokens, S key tokens, D model width, H heads (local heads under
 tensor parallelism: every head count is read from the weights, never from the config),
@@ -96,6 +97,8 @@ class MLAttention(nnx.Module):
         self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS, pd)
         self.kv_b_proj = normal_init(rngs, (cfg.kv_lora_rank, h, cfg.qk_nope_head_dim + cfg.v_head_dim), pd)
         self.o_proj = normal_init(rngs, (h, cfg.v_head_dim, d), pd)
+        if cfg.attn_output_gate:
+            self.gate_proj = normal_init(rngs, (d, h, cfg.v_head_dim), pd)
         self.cfg = cfg
 
     def _project(self, x_btd: jax.Array, positions_bt: jax.Array
@@ -111,8 +114,8 @@ class MLAttention(nnx.Module):
             q = jnp.einsum("btq,qhk->bthk", q_lat, self.q_b_proj[...].astype(dt))
         kv_a = x_btd @ self.kv_a_proj[...].astype(dt)
         inv_freq, magnitude = rope_tables(cfg)
-        q_rope = apply_rope(q[..., n:], positions_bt, inv_freq, magnitude)
-        k_rope = apply_rope(kv_a[..., c:], positions_bt, inv_freq, magnitude)  # one head, shared
+        q_rope = apply_rope(q[..., n:], positions_bt, inv_freq, magnitude, cfg.rope_style)
+        k_rope = apply_rope(kv_a[..., c:], positions_bt, inv_freq, magnitude, cfg.rope_style)  # one head
         return q[..., :n], q_rope, self.kv_a_norm(kv_a[..., :c]), k_rope
 
     def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array,
@@ -134,8 +137,16 @@ class MLAttention(nnx.Module):
             out = attention_core(q, k, v, segment_ids_bt, softmax_scale(cfg), cfg.attention,
                                  cfg.attention_block_q, cfg.attention_block_kv)
         with jax.named_scope("o_proj"):
-            out = jnp.einsum("bthv,hvd->btd", out, self.o_proj[...].astype(dt))
+            out = jnp.einsum("bthv,hvd->btd", self._gate(x_btd, out), self.o_proj[...].astype(dt))
         return out if cache is None else (out, cache.write(kv_lat, k_rope, positions_bt))
+
+    def _gate(self, x_btd: jax.Array, out_bthv: jax.Array) -> jax.Array:
+        """The heads' outputs times sigmoid(x @ W_gate) under `attn_output_gate` (x: the normed layer
+        input), else unchanged. Per head, so tensor parallelism splits W_gate like the heads."""
+        if not self.cfg.attn_output_gate:
+            return out_bthv
+        gate = jnp.einsum("btd,dhv->bthv", x_btd, self.gate_proj[...].astype(x_btd.dtype))
+        return out_bthv * jax.nn.sigmoid(gate)
 
     def decode(self, x_btd: jax.Array, positions_bt: jax.Array, cache: LatentCache
                ) -> tuple[jax.Array, LatentCache]:
@@ -165,4 +176,4 @@ class MLAttention(nnx.Module):
             ctx = jnp.einsum("bhts,bsc->bthc", probs, latent)
             out = jnp.einsum("bthc,chv->bthv", ctx, w_uv)
         with jax.named_scope("o_proj"):
-            return jnp.einsum("bthv,hvd->btd", out, self.o_proj[...].astype(dt)), cache
+            return jnp.einsum("bthv,hvd->btd", self._gate(x_btd, out), self.o_proj[...].astype(dt)), cache

@@ -69,6 +69,7 @@ _RULES: dict[Layout, list[tuple[str, P]]] = {
         ("attn/q_b_proj", P(None, "tensor", None)),
         ("attn/kv_b_proj", P(None, "tensor", None)),
         ("attn/o_proj", P("tensor", None, None)),
+        ("attn/gate_proj", P(None, "tensor", None)),  # gated attention: per head, like q
         ("shared/gate_proj", P(None, "tensor")),
         ("shared/up_proj", P(None, "tensor")),
         ("shared/down_proj", P("tensor", None)),
