@@ -1,9 +1,10 @@
 """HF config.json <-> ModelConfig fields, one reader and one writer per HF family.
 
 `ModelConfig.from_hf_dict` / `to_hf_dict` (farskip_jax/config.py) are the entry points; the family
-is config.json's `model_type` when reading (`qwen3_moe`, else DeepSeek-V2) and
-`ModelConfig.attention_kind` when writing (gqa: Qwen3-MoE, mla: DeepSeek-V2). FarSkip settings
-use Instella-MoE's keys in both families.
+is config.json's `model_type` when reading (`qwen3_moe`, `deepseek_v3`, else DeepSeek-V2) and the
+architecture fields when writing (`hf_family`). Instella-MoE is a DeepSeek-V3 (`model_type`
+deepseek_v3, architecture `InstellaMoEForCausalLM`) with gated attention (`gated_attention`).
+FarSkip settings use Instella-MoE's keys in every family.
 """
 
 from __future__ import annotations
@@ -21,12 +22,29 @@ def model_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
     """ModelConfig keyword arguments for an HF config.json (not yet validated)."""
     if hf.get("model_type") == "qwen3_moe":
         return _qwen3_moe_fields(hf)
+    if hf.get("model_type") == "deepseek_v3":
+        return _deepseek_v3_fields(hf)
     return _deepseek_v2_fields(hf)
+
+
+# Fields whose non-default values only DeepSeek-V3's HF class (or Instella-MoE's) can express.
+_V3_FEATURES = {"router_score": "softmax", "router_bias": False, "group_score": "max",
+                "scale_normalized_weights": False, "attn_output_gate": False, "rope_style": "interleaved"}
+
+
+def hf_family(cfg: ModelConfig) -> str:
+    """The HF model_type that `cfg` is written as: qwen3_moe for GQA, deepseek_v3 when any field
+    says DeepSeek-V3's router, RoPE layout or Instella's gate, else deepseek_v2."""
+    if cfg.attention_kind == "gqa":
+        return "qwen3_moe"
+    return "deepseek_v3" if any(getattr(cfg, k) != v for k, v in _V3_FEATURES.items()) else "deepseek_v2"
 
 
 def hf_dict(cfg: ModelConfig) -> dict[str, Any]:
     """The HF config.json of `cfg`'s family; ConfigError if that family's HF class cannot express it."""
-    return _qwen3_moe_hf_dict(cfg) if cfg.attention_kind == "gqa" else _deepseek_v2_hf_dict(cfg)
+    writers = {"qwen3_moe": _qwen3_moe_hf_dict, "deepseek_v3": _deepseek_v3_hf_dict,
+               "deepseek_v2": _deepseek_v2_hf_dict}
+    return writers[hf_family(cfg)](cfg)
 
 
 def _deepseek_v2_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -34,8 +52,9 @@ def _deepseek_v2_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
     arch = hf.get("architectures") or []
     if any("Instella" in a for a in arch) or hf.get("gated_attention"):
         raise ConfigError(
-            f"config.json architectures={arch}: gated-attention (Instella-MoE) checkpoints are not "
-            "DeepSeek-V2 and are not supported; loading them as DeepSeek-V2 would run the wrong model")
+            f"config.json architectures={arch} with model_type={hf.get('model_type')!r}: gated-attention "
+            "(Instella-MoE) checkpoints are DeepSeek-V3 models (model_type 'deepseek_v3'); loading this "
+            "one as DeepSeek-V2 would run the wrong model")
     method = hf.get("topk_method") or "greedy"
     allowed = ("greedy", "group_limited_greedy")
     if method not in allowed:
@@ -73,6 +92,7 @@ def _deepseek_v2_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.mlp_only_layers or cfg.moe_layer_offset or cfg.router_norm_min_k != 2:
         raise ConfigError("mlp_only_layers, moe_layer_offset and router_norm_min_k != 2 cannot be "
                           "written as a DeepseekV2 config.json")
+    _require(cfg, _V3_FEATURES, "DeepseekV2")
     rope: dict[str, Any] = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
     if cfg.rope_scaling is not None:
         rs = cfg.rope_scaling
@@ -142,7 +162,7 @@ def _qwen3_moe_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
     """An HF Qwen3MoeForCausalLM config.json; the inverse of `_qwen3_moe_fields`."""
     fixed = {"qk_norm": True, "rope_style": "half", "n_shared_experts": 0, "first_k_dense_replace": 0,
              "moe_layer_offset": 1, "router_norm_min_k": 1, "routed_scaling_factor": 1.0,
-             "routing": "greedy", "rope_scaling": None}
+             "routing": "greedy", "rope_scaling": None, "router_score": "softmax", "router_bias": False}
     differ = [f"{k}={getattr(cfg, k)!r} (Qwen3-MoE has {v!r})" for k, v in fixed.items()
               if getattr(cfg, k) != v]
     if differ:
@@ -169,7 +189,102 @@ def _qwen3_moe_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-# ---- shared by both families ----------------------------------------------------------------
+def _deepseek_v3_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """ModelConfig fields of an HF DeepseekV3 config.json, read as transformers' DeepseekV3* classes
+    read them (MODEL_FAMILIES.md): sigmoid router with `e_score_correction_bias`, groups scored by
+    their top-2 biased scores (n_group 1 = one group), weights renormalised (`norm_topk_prob`, even
+    top-1) and then always scaled; every layer from `first_k_dense_replace` on is MoE
+    (`moe_layer_freq`, `topk_method`, `scoring_func` are ignored, as HF ignores them); absent keys
+    take HF's class defaults. Instella-MoE adds `gated_attention` (its `qk_layernorm` key is not read
+    by its own modeling code either). MTP layers (`num_nextn_predict_layers`) are not part of the
+    model: the loaders skip their tensors."""
+    arch = hf.get("architectures") or []
+    if any("Instella" in a for a in arch) and "gated_attention" not in hf:
+        raise ConfigError(f"config.json architectures={arch} has no 'gated_attention' key: cannot tell "
+                          "whether the attention output is gated")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"config.json hidden_act={hf['hidden_act']!r}: only 'silu' is supported")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ConfigError("config.json attention_bias/mlp_bias=true is not supported by DeepSeek-V3")
+    rope_scaling, rope_theta = _rope_from_hf(hf)
+    return dict(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"], moe_intermediate_size=hf["moe_intermediate_size"],
+        num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+        q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
+        qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+        v_head_dim=hf["v_head_dim"], n_routed_experts=hf["n_routed_experts"],
+        n_shared_experts=hf.get("n_shared_experts", 1) or 0,
+        num_experts_per_tok=hf.get("num_experts_per_tok", 8),
+        first_k_dense_replace=hf.get("first_k_dense_replace", 3), moe_layer_freq=1,
+        routing="group_limited_greedy", n_group=hf.get("n_group", 8) or 1,
+        topk_group=hf.get("topk_group", 4) or 1,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 2.5)),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)), router_norm_min_k=1,
+        router_score="sigmoid", router_bias=True, group_score="top2_sum", scale_normalized_weights=True,
+        attn_output_gate=bool(hf.get("gated_attention", False)),
+        rope_style="interleaved" if hf.get("rope_interleave", True) else "half",
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
+        rope_scaling=rope_scaling, max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        aux_loss_alpha=float(hf.get("aux_loss_alpha", 0.001)), seq_aux=bool(hf.get("seq_aux", True)),
+        farskip=_farskip_from_hf(hf))
+
+
+_V3_FIXED = {"router_score": "sigmoid", "router_bias": True, "group_score": "top2_sum",
+             "scale_normalized_weights": True, "router_norm_min_k": 1, "routing": "group_limited_greedy",
+             "moe_layer_freq": 1, "moe_layer_offset": 0, "mlp_only_layers": ()}
+
+
+def _deepseek_v3_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """An HF DeepseekV3 config.json (Instella-MoE's architecture name and `gated_attention` when the
+    attention output is gated); the inverse of `_deepseek_v3_fields`."""
+    _require(cfg, _V3_FIXED, "DeepseekV3")
+    arch = "InstellaMoEForCausalLM" if cfg.attn_output_gate else "DeepseekV3ForCausalLM"
+    return {
+        "architectures": [arch], "model_type": "deepseek_v3",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_heads, "q_lora_rank": cfg.q_lora_rank,
+        "kv_lora_rank": cfg.kv_lora_rank, "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim,
+        "n_routed_experts": cfg.n_routed_experts, "n_shared_experts": cfg.n_shared_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok, "first_k_dense_replace": cfg.first_k_dense_replace,
+        "n_group": cfg.n_group, "topk_group": cfg.topk_group,
+        "routed_scaling_factor": cfg.routed_scaling_factor, "norm_topk_prob": cfg.norm_topk_prob,
+        "rope_interleave": cfg.rope_style == "interleaved", "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": _rope_to_hf(cfg), "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "hidden_act": "silu", "attention_bias": False,
+        "aux_loss_alpha": cfg.aux_loss_alpha, "seq_aux": cfg.seq_aux,
+        # The export holds no multi-token-prediction layers (they are not loaded).
+        "num_nextn_predict_layers": 0, "bos_token_id": 0, "eos_token_id": 1,
+        "dtype": "bfloat16" if cfg.param_dtype == "bfloat16" else "float32",
+        **({"gated_attention": True} if cfg.attn_output_gate else {}),
+        **_farskip_hf_keys(cfg),
+    }
+
+
+# ---- shared by all families -----------------------------------------------------------------
+
+
+def _require(cfg: ModelConfig, fixed: Mapping[str, Any], family: str) -> None:
+    """ConfigError naming every field of `cfg` that differs from what `family`'s config.json can say."""
+    differ = [f"{k}={getattr(cfg, k)!r} ({family} has {v!r})" for k, v in fixed.items()
+              if getattr(cfg, k) != v]
+    if differ:
+        raise ConfigError(f"this config cannot be written as a {family} config.json: " + ", ".join(differ))
+
+
+def _rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """transformers 5 `rope_parameters` of `cfg` (default or YaRN)."""
+    if cfg.rope_scaling is None:
+        return {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+    rs = cfg.rope_scaling
+    return {"rope_theta": cfg.rope_theta, "rope_type": "yarn", "factor": rs.factor,
+            "original_max_position_embeddings": rs.original_max_position_embeddings,
+            "beta_fast": rs.beta_fast, "beta_slow": rs.beta_slow, "mscale": rs.mscale,
+            "mscale_all_dim": rs.mscale_all_dim}
 
 
 def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[RopeScaling | None, float]:
@@ -190,10 +305,14 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[RopeScaling | None, float]:
 
 
 def _farskip_from_hf(hf: Mapping[str, Any]) -> FarSkipConfig:
-    """FarSkip settings from Instella-MoE's keys (plus ours, `farskip_stale_blocks`)."""
+    """FarSkip settings from Instella-MoE's keys (plus ours, `farskip_stale_blocks`). An end index
+    past the last layer means the last layer, as in Instella-MoE's code (its config says 10000)."""
+    start, end = hf.get("farskip_start_idx"), hf.get("farskip_end_idx")
+    if end is not None:
+        end = min(int(end), int(hf["num_hidden_layers"]) - 1)
     return FarSkipConfig(
-        enabled=bool(hf.get("farskip", False)), start_idx=hf.get("farskip_start_idx"),
-        end_idx=hf.get("farskip_end_idx"), attn_only=bool(hf.get("attn_only_farskip", False)),
+        enabled=bool(hf.get("farskip", False)), start_idx=None if start is None else int(start),
+        end_idx=end, attn_only=bool(hf.get("attn_only_farskip", False)),
         mlp_only=bool(hf.get("mlp_only_farskip", False)), stale_blocks=int(hf.get("farskip_stale_blocks", 1)))
 
 
