@@ -333,12 +333,15 @@ def convert_hf_to_orbax(input_dir: str | Path, output_dir: str | Path, *, dtype:
                         mesh: dict[str, int] | None = None, overrides: dict[str, Any] | None = None,
                         dry_run: bool = False, overwrite: bool = False, progress: bool = True,
                         log: Callable[[str], None] = print) -> Summary:
-    """Validates an HF DeepSeek-V2 or Qwen3-MoE directory, then writes it as a farskip Orbax checkpoint."""
+    """Validates an HF DeepSeek-V2/V3, Instella-MoE or Qwen3-MoE directory, then writes it as a farskip
+    Orbax checkpoint (DeepSeek-V3's multi-token-prediction layers are skipped, with a message)."""
     import orbax.checkpoint as ocp
 
     src, out = Path(input_dir), Path(output_dir)
     base_cfg = config_from_dir(src)
     source = TensorSource(src)
+    if (msg := source.skip_mtp_layers(base_cfg.num_layers)) is not None:
+        log(msg)
     specs = param_specs(base_cfg)
     raise_problems(f"HF checkpoint {src}", source_errors(source, base_cfg, specs))
     dtype = resolve_dtype(source, specs, parse_dtype(dtype))

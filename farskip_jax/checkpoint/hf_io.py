@@ -113,6 +113,25 @@ class TensorSource:
     def keys(self) -> list[str]:
         return list(self.key_to_file)
 
+    def skip_mtp_layers(self, num_layers: int) -> str | None:
+        """Forgets the tensors of DeepSeek-V3's multi-token-prediction layers (config.json
+        `num_nextn_predict_layers`, tensors `model.layers.{num_layers + i}.*`), which are not part of
+        the model (HF does not build them either). Returns a message saying what was skipped, or None."""
+        cfg_file = self.dir / "config.json"
+        hf = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+        n = int(hf.get("num_nextn_predict_layers") or 0)
+        if n <= 0:
+            return None
+        prefixes = tuple(f"model.layers.{num_layers + i}." for i in range(n))
+        skipped = [k for k in self.key_to_file if k.startswith(prefixes)]
+        for k in skipped:
+            del self.key_to_file[k]
+        if not skipped:
+            return None
+        return (f"{self.dir}: skipped {len(skipped)} tensors of the {n} multi-token-prediction layer(s) "
+                f"(model.layers.{num_layers}..{num_layers + n - 1}, num_nextn_predict_layers={n}): they are "
+                "not part of the model")
+
     def shape(self, key: str) -> tuple[int, ...]:
         f = self.key_to_file[key]
         if f.suffix == ".safetensors":

@@ -19,6 +19,7 @@ torch.load (memory-mapped) keeps one whole file at a time.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,8 @@ from farskip_jax.checkpoint.hf_keys import ParamSpec, hf_key_index, param_specs
 from farskip_jax.config import ModelConfig, override
 from farskip_jax.model.layers import DTYPES
 from farskip_jax.model.transformer import Transformer
+
+log = logging.getLogger(__name__)
 
 
 def config_from_dir(path: str | Path, **overrides: Any) -> ModelConfig:
@@ -103,6 +106,8 @@ def hf_array(source: TensorSource, spec: ParamSpec, sharding: jax.sharding.Shard
 def read_hf_params(path: str | Path, cfg: ModelConfig, shardings: Any, dtype: Any) -> dict:
     """Every parameter of `cfg` from the HF directory `path` as a pure dict of sharded jax.Arrays."""
     source = TensorSource(path)
+    if (msg := source.skip_mtp_layers(cfg.num_layers)) is not None:
+        log.warning(msg)
     specs = param_specs(cfg)
     check_tensors(source, specs)
     fn = orbax_io.sharding_fn(shardings, cfg)
