@@ -1,4 +1,5 @@
-"""Orbax -> HF DeepSeek-V2 / Qwen3-MoE: size-limited safetensors shards written as the parameters stream by.
+"""Orbax -> HF DeepSeek-V2/V3 (Instella-MoE) / Qwen3-MoE: size-limited safetensors shards written as
+the parameters stream by.
 
 Inputs: a directory written by `convert_hf_to_orbax` (marker `farskip_checkpoint.json`), or a
 training checkpoint step directory. For the latter we assume the trainer's Orbax CheckpointManager
@@ -7,7 +8,7 @@ pure dict (the same tree as `nnx.to_pure_dict(nnx.state(model, nnx.Param))`) sav
 Orbax PyTree, and item "meta" is a JSON item whose `model_config` (or `model`, or `config.model`)
 holds our ModelConfig as a dict (an HF config.json dict is accepted as well). Only "params" is read.
 
-A FarSkip model is exported with `modeling_farskip_deepseek_v2.py` or `modeling_farskip_qwen3_moe.py`
+A FarSkip model is exported with `modeling_farskip_{deepseek_v2,deepseek_v3,qwen3_moe}.py`
 (this package's remote code for transformers) registered in config.json, so that transformers runs
 FarSkip with trust_remote_code.
 
@@ -267,6 +268,8 @@ _HERE = Path(__file__).parent
 REMOTE_CODE = {
     "deepseek_v2": (_HERE / "modeling_farskip_deepseek_v2.py", "FarSkipDeepseekV2ForCausalLM"),
     "qwen3_moe": (_HERE / "modeling_farskip_qwen3_moe.py", "FarSkipQwen3MoeForCausalLM"),
+    # DeepSeek-V3 and Instella-MoE (its gated attention included).
+    "deepseek_v3": (_HERE / "modeling_farskip_deepseek_v3.py", "FarSkipDeepseekV3ForCausalLM"),
 }
 
 
