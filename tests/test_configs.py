@@ -22,7 +22,7 @@ YAMLS = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
 def test_configs_exist():
     assert {"tiny", "tiny_farskip", "dsv2lite", "dsv2lite_farskip", "qwen3_30b_a3b",
-            "qwen3_30b_a3b_farskip"} <= set(YAMLS)
+            "qwen3_30b_a3b_farskip", "deepseek_v3", "deepseek_v3_farskip"} <= set(YAMLS)
 
 
 @pytest.mark.parametrize("name", YAMLS)
@@ -92,6 +92,47 @@ def test_qwen3_hf_rules_and_round_trip():
         load_config("qwen3_30b_a3b", {"model.num_kv_heads": 5})
     with pytest.raises(ConfigError, match="attention_kind=gqa only"):
         load_config("tiny", {"model.qk_norm": True})
+
+
+# DeepSeek-V3's published config.json (transformers 4.46 generation), without its auto_map.
+DEEPSEEK_V3_HF = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3,
+    "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+    "use_cache": True, "v_head_dim": 128, "vocab_size": 129280}
+
+
+def test_deepseek_v3_yaml_is_the_published_model():
+    """configs/deepseek_v3.yaml describes the published model (its FP8 weights dequantized), its
+    FarSkip variant differs only in connectivity, and config.json round-trips through ours."""
+    with pytest.raises(ConfigError, match="fp8"):
+        ModelConfig.from_hf_dict(DEEPSEEK_V3_HF)
+    dequantized = {k: v for k, v in DEEPSEEK_V3_HF.items() if k != "quantization_config"}
+    published = ModelConfig.from_hf_dict(dequantized)
+    ours = load_config("deepseek_v3").model
+    for f in dataclasses.fields(ModelConfig):
+        if f.name not in NOT_IN_HF:
+            assert getattr(ours, f.name) == getattr(published, f.name), f.name
+    assert [i for i in range(61) if not ours.is_moe_layer(i)] == [0, 1, 2]
+    assert ModelConfig.from_hf_dict(ours.to_hf_dict()) == dataclasses.replace(
+        ours, **{k: getattr(ModelConfig(), k) for k in NOT_IN_HF})
+    fs = load_config("deepseek_v3_farskip").model
+    assert dataclasses.replace(fs, farskip=ours.farskip) == ours
+    assert list(fs.farskip.layer_range(fs.num_layers)) == list(range(61))
+    with pytest.raises(ConfigError, match="DeepseekV3.*moe_layer_freq"):
+        dataclasses.replace(ours, moe_layer_freq=2).to_hf_dict()
 
 
 def test_unknown_key_names_key_and_allowed():
