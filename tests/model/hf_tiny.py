@@ -1,4 +1,4 @@
-"""Shared helpers for the HF-parity tests: tiny random DeepSeek-V2 and Qwen3-MoE models in torch and JAX.
+"""Shared helpers for the HF-parity tests: tiny random DeepSeek-V2/V3 and Qwen3-MoE models in torch and JAX.
 
 Not a test module. Imported by tests/model/* and tests/test_cli_logits.py. HF models are built
 with random weights of a scale that gives logits of order 1 (normal std 0.2 for matrices and
@@ -15,7 +15,14 @@ import jax
 import numpy as np
 import torch
 from flax import nnx
-from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 # Collected by tests/model/conftest.py and printed in the terminal summary.
 PARITY_RESULTS: list[tuple[str, str, float]] = []
@@ -57,6 +64,36 @@ def tiny_qwen3_config(**kw: Any) -> Qwen3MoeConfig:
     cfg = Qwen3MoeConfig(**base)
     cfg._attn_implementation = "eager"
     return cfg
+
+
+def tiny_dsv3_config(**kw: Any) -> DeepseekV3Config:
+    """A DeepSeek-V3 config of the same scale: 16 experts in 4 groups of 4 (2 kept), top-3,
+    renormalised and scaled by 2.5, one dense layer."""
+    base: dict[str, Any] = dict(
+        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=16,
+        n_shared_experts=1, num_experts_per_tok=3, first_k_dense_replace=1, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True, max_position_embeddings=64,
+        tie_word_embeddings=False, rms_norm_eps=1e-6, rope_parameters=dict(PLAIN_ROPE))
+    base.update(kw)
+    base["num_key_value_heads"] = base["num_attention_heads"]
+    cfg = DeepseekV3Config(**base)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def build_dsv3(cfg: DeepseekV3Config, seed: int = 0, bias_std: float = 0.3) -> DeepseekV3ForCausalLM:
+    """Random weights as `randomize_`, and a random nonzero `e_score_correction_bias` (a buffer, which
+    HF initialises to zero) large enough to change which experts the sigmoid scores pick."""
+    torch.manual_seed(seed)
+    model = randomize_(DeepseekV3ForCausalLM(cfg).eval(), seed)
+    g = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=g) * bias_std)
+    return model
 
 
 def build_qwen3(cfg: Qwen3MoeConfig, seed: int = 0) -> Qwen3MoeForCausalLM:
