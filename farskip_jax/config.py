@@ -339,8 +339,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
-        """Builds a config from an HF DeepseekV2 (both rope generations) or Qwen3-MoE
-        (`model_type: qwen3_moe`) config.json.
+        """Builds a config from an HF DeepseekV2 (both rope generations), DeepseekV3 / Instella-MoE
+        (`model_type: deepseek_v3`) or Qwen3-MoE (`model_type: qwen3_moe`) config.json.
 
         FarSkip keys (`farskip`, `farskip_start_idx`, `farskip_end_idx`, `attn_only_farskip`,
         `mlp_only_farskip`) are read as Instella-MoE writes them.
@@ -351,9 +351,9 @@ class ModelConfig:
         return from_dict(cls, merged, "model")
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """An HF config.json: Qwen3-MoE for attention_kind gqa, else DeepseekV2 (transformers 5
-        `rope_parameters` and legacy `rope_scaling`). Raises ConfigError for a config that family's
-        HF class cannot express."""
+        """An HF config.json: Qwen3-MoE for attention_kind gqa, DeepseekV3 (Instella-MoE when the
+        attention is gated) when a field says DeepSeek-V3's router or RoPE layout, else DeepseekV2
+        (`hf_config.hf_family`). Raises ConfigError for a config that family's HF class cannot express."""
         from farskip_jax import hf_config
 
         return hf_config.hf_dict(self)

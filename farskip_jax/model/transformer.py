@@ -1,5 +1,6 @@
-"""The decoder (DeepSeek-V2, Qwen3-MoE): embedding, layer stack wired by `residual_step`, final
-norm, LM head. The attention module comes from `ModelConfig.attention_kind` (`attention_module`).
+"""The decoder (DeepSeek-V2/V3, Instella-MoE, Qwen3-MoE): embedding, layer stack wired by
+`residual_step`, final norm, LM head. The attention module comes from `ModelConfig.attention_kind`
+(`attention_module`).
 
 Shape legend: B batch, T tokens, D model width, V vocabulary.
 """
