@@ -21,7 +21,9 @@ examples:
   python convert_torch_ckpt.py --to-hf --input runs/x/checkpoints/5000 --output hf_out
 
 The Orbax directory (marker farskip_checkpoint.json) loads with farskip_jax.from_pretrained(DIR)
-or from_pretrained(DIR, mesh=mesh) straight into expert-sharded arrays. Everything is validated
+or from_pretrained(DIR, mesh=mesh) straight into expert-sharded arrays; it is one standard Orbax
+checkpoint (item DIR/params), so orbax.checkpoint.StandardCheckpointer().restore(DIR/params) reads it
+without this package. Everything is validated
 before anything is written; output goes to a temp dir renamed into place at the end.
 """
 

@@ -1,25 +1,32 @@
-"""HF DeepSeek-V2 / Qwen3-MoE -> Orbax conversion, streamed one layer at a time (reading it back: `orbax_io`).
+"""HF DeepSeek-V2 / Qwen3-MoE -> Orbax conversion, streamed one group at a time (reading it back: `orbax_io`).
 
-Layout of a converted directory (detected by `farskip_checkpoint.json`):
+Layout of a converted directory (detected by `farskip_checkpoint.json`, marker version 2):
 
-    OUT/farskip_checkpoint.json   marker: format version, dtype, parameter groups with paths/shapes
+    OUT/farskip_checkpoint.json   marker: format version, dtype, every parameter's path and shape
     OUT/model_config.json         our ModelConfig (FarSkip settings included)
     OUT/config.json               the source's config.json, verbatim
-    OUT/params/embed/             one standard Orbax PyTree checkpoint per group: the embedding,
-    OUT/params/layer_000/ ...     each decoder layer's non-expert weights, each layer's stacked
-    OUT/params/layer_001_experts_w_gate/ ...   routed-expert arrays, and the head (final norm +
-    OUT/params/head/              LM head)
+    OUT/params/                   ONE standard Orbax PyTree checkpoint: the parameter pure dict
+    OUT/_CHECKPOINT_METADATA, OUT/orbax.checkpoint, OUT/commit_success.txt   Orbax v1 checkpoint files
 
-Why one Orbax checkpoint per layer: Orbax writes a PyTree in one `save` call and cannot append to
-it, so a single checkpoint of the whole tree would need every array in host memory at once (the
-maxtext "1.4 TB to convert Llama 70B" failure). One save per layer (per stacked expert array for
-MoE layers) bounds host memory by about 3 x the largest group (our array, TensorStore's encode
-copy and the buffered OCDBT data file; measured in bench/convert_rss.py), while every group stays a
-plain Orbax checkpoint that `orbax_io.restore_params` reads with `jax.ShapeDtypeStruct` targets
-carrying the wanted `NamedSharding`, so each device reads only its slice and the restore is topology-agnostic.
-Leaves are numpy arrays (no JAX device is involved while converting, so nothing is replicated over
-simulated devices), and routed-expert arrays are chunked one expert per chunk (`shard_axes=(0,)`),
-so an expert-parallel restore of any EP size that divides E reads exactly its own experts.
+OUT is a standard Orbax (v1) checkpoint with the single checkpointable "params" - the item name and
+layout of a trainer CheckpointManager step - so plain Orbax restores it whole:
+`ocp.StandardCheckpointer().restore(OUT/params)`, `ocp.experimental.v1.load(OUT)`, or a Composite
+restore of item "params".
+
+Bounded memory: Orbax's one-call `save` needs the whole tree in host memory (the maxtext "1.4 TB to
+convert Llama 70B" failure), so the tree is built group by group (the embedding, each layer's
+non-expert weights, each layer's stacked routed-expert arrays one at a time, the head) with
+`orbax.checkpoint.experimental.v1.partial.save`, and `finalize` merges the per-call OCDBT manifests
+into one (no data is copied; `orbax_io.ParamsWriter`). Reading group i+1 from the safetensors files
+overlaps writing group i, so host memory holds about two groups plus TensorStore's write buffers
+(bench/convert_rss.py checks the peak against baseline + 4 x the largest group), whatever the model
+size. Leaves are numpy arrays (no JAX device is involved while converting), and routed-expert arrays
+are chunked one expert per chunk, so an expert-parallel restore of any EP size that divides E reads
+exactly its own experts; `orbax_io.restore_params` restores with `jax.ShapeDtypeStruct` targets
+carrying the wanted `NamedSharding`, so each device reads only its slices.
+
+Version-1 directories (one Orbax checkpoint per group under OUT/params/<group>/ plus the marker's
+group index) still load everywhere (`from_pretrained`, `load_params`, `--to-hf`).
 
 Writes go to a temporary sibling directory that is renamed into place at the end; the marker is
 the last file written, so an interrupted conversion never leaves a loadable half checkpoint.
@@ -56,7 +63,8 @@ _TMP_TAG = ".farskip-tmp-"
 
 @dataclasses.dataclass(frozen=True)
 class Group:
-    """Parameters written by one Orbax save: the embedding, one decoder layer, or the head."""
+    """Parameters written by one partial save: the embedding, a layer's non-expert weights, one
+    stacked routed-expert array, or the head."""
 
     name: str
     specs: tuple[ParamSpec, ...]
