@@ -59,3 +59,49 @@ def model_shardings(cfg: ModelConfig, mesh: Any) -> dict:
     for s in param_specs(cfg):
         nest_set(abstract, s.path, jax.ShapeDtypeStruct(s.shape, np.float32))
     return param_shardings(abstract, mesh)
+
+
+# --------------------------------------------------------------------------------------------
+# Fast layout copies (the converters' CPU cost is almost all transposes)
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    """`a` viewed as unsigned ints of its width: numpy copies bfloat16 (an ml_dtypes type) through
+    a slow generic loop (0.36 GB/s for a transposed assignment, 3.2 GB/s as uint16)."""
+    return a.view(f"u{a.dtype.itemsize}") if a.dtype.itemsize in (1, 2, 4, 8) else a
+
+
+def _as_2d(*arrays: np.ndarray) -> list[np.ndarray] | None:
+    """The same-shape `arrays` as 2-D views (no copy), axes merged as (first, rest) or (all but
+    last, last), whichever works for all; None if neither does."""
+    a = arrays[0]
+    for shape in ((a.shape[0], -1), (-1, a.shape[-1])) if a.ndim > 1 else ():
+        views = []
+        for x in arrays:
+            v = x.view()
+            try:
+                v.shape = shape  # raises instead of copying
+            except AttributeError:
+                break
+            views.append(v)
+        else:
+            return views
+    return None
+
+
+def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
+    """dst[...] = src for a C-contiguous `dst` and a same-shape `src` of any strides (a transpose
+    view, typically). A transposed copy in one numpy call runs at 0.3 GB/s when the source rows
+    are 4 KiB apart (cache-set conflicts: 2048 bf16 columns); copied in tiles of 1024 x 8 it runs
+    at 2-3 GB/s. Same dtypes copy bits (see `bits`)."""
+    if src.dtype == dst.dtype:
+        dst, src = bits(dst), bits(src)
+    views = None if src.flags.c_contiguous else _as_2d(dst, src)
+    if views is None or abs(views[1].strides[0]) >= abs(views[1].strides[1]):
+        dst[...] = src
+        return
+    d2, s2 = views
+    n, m = d2.shape
+    for j in range(0, m, 8):
+        for i in range(0, n, 1024):
+            d2[i:i + 1024, j:j + 8] = s2[i:i + 1024, j:j + 8]

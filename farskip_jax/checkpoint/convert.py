@@ -1,25 +1,32 @@
-"""HF DeepSeek-V2 / Qwen3-MoE -> Orbax conversion, streamed one layer at a time (reading it back: `orbax_io`).
+"""HF DeepSeek-V2 / Qwen3-MoE -> Orbax conversion, streamed one group at a time (reading it back: `orbax_io`).
 
-Layout of a converted directory (detected by `farskip_checkpoint.json`):
+Layout of a converted directory (detected by `farskip_checkpoint.json`, marker version 2):
 
-    OUT/farskip_checkpoint.json   marker: format version, dtype, parameter groups with paths/shapes
+    OUT/farskip_checkpoint.json   marker: format version, dtype, every parameter's path and shape
     OUT/model_config.json         our ModelConfig (FarSkip settings included)
     OUT/config.json               the source's config.json, verbatim
-    OUT/params/embed/             one standard Orbax PyTree checkpoint per group: the embedding,
-    OUT/params/layer_000/ ...     each decoder layer's non-expert weights, each layer's stacked
-    OUT/params/layer_001_experts_w_gate/ ...   routed-expert arrays, and the head (final norm +
-    OUT/params/head/              LM head)
+    OUT/params/                   ONE standard Orbax PyTree checkpoint: the parameter pure dict
+    OUT/_CHECKPOINT_METADATA, OUT/orbax.checkpoint, OUT/commit_success.txt   Orbax v1 checkpoint files
 
-Why one Orbax checkpoint per layer: Orbax writes a PyTree in one `save` call and cannot append to
-it, so a single checkpoint of the whole tree would need every array in host memory at once (the
-maxtext "1.4 TB to convert Llama 70B" failure). One save per layer (per stacked expert array for
-MoE layers) bounds host memory by about 3 x the largest group (our array, TensorStore's encode
-copy and the buffered OCDBT data file; measured in bench/convert_rss.py), while every group stays a
-plain Orbax checkpoint that `orbax_io.restore_params` reads with `jax.ShapeDtypeStruct` targets
-carrying the wanted `NamedSharding`, so each device reads only its slice and the restore is topology-agnostic.
-Leaves are numpy arrays (no JAX device is involved while converting, so nothing is replicated over
-simulated devices), and routed-expert arrays are chunked one expert per chunk (`shard_axes=(0,)`),
-so an expert-parallel restore of any EP size that divides E reads exactly its own experts.
+OUT is a standard Orbax (v1) checkpoint with the single checkpointable "params" - the item name and
+layout of a trainer CheckpointManager step - so plain Orbax restores it whole:
+`ocp.StandardCheckpointer().restore(OUT/params)`, `ocp.experimental.v1.load(OUT)`, or a Composite
+restore of item "params".
+
+Bounded memory: Orbax's one-call `save` needs the whole tree in host memory (the maxtext "1.4 TB to
+convert Llama 70B" failure), so the tree is built group by group (the embedding, each layer's
+non-expert weights, each layer's stacked routed-expert arrays one at a time, the head) with
+`orbax.checkpoint.experimental.v1.partial.save`, and `finalize` merges the per-call OCDBT manifests
+into one (no data is copied; `orbax_io.ParamsWriter`). Reading group i+1 from the safetensors files
+overlaps writing group i, so host memory holds about two groups plus TensorStore's write buffers
+(bench/convert_rss.py checks the peak against baseline + 4 x the largest group), whatever the model
+size. Leaves are numpy arrays (no JAX device is involved while converting), and routed-expert arrays
+are chunked one expert per chunk, so an expert-parallel restore of any EP size that divides E reads
+exactly its own experts; `orbax_io.restore_params` restores with `jax.ShapeDtypeStruct` targets
+carrying the wanted `NamedSharding`, so each device reads only its slices.
+
+Version-1 directories (one Orbax checkpoint per group under OUT/params/<group>/ plus the marker's
+group index) still load everywhere (`from_pretrained`, `load_params`, `--to-hf`).
 
 Writes go to a temporary sibling directory that is renamed into place at the end; the marker is
 the last file written, so an interrupted conversion never leaves a loadable half checkpoint.
@@ -35,16 +42,17 @@ import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from farskip_jax.checkpoint.common import nest_set, raise_problems
+from farskip_jax.checkpoint.common import bits, copy_into, nest_set, raise_problems
 from farskip_jax.checkpoint.hf_io import CheckpointError, TensorSource, np_dtype
 from farskip_jax.checkpoint.hf_keys import ParamSpec, hf_key_index, param_specs
 from farskip_jax.checkpoint.hf_load import config_from_dir
-from farskip_jax.checkpoint.orbax_io import FORMAT, MARKER, MODEL_CONFIG, VERSION
+from farskip_jax.checkpoint.orbax_io import FORMAT, MARKER, MODEL_CONFIG, PARAMS_ITEM, VERSION, ParamsWriter
 from farskip_jax.config import ConfigError, ModelConfig, override, to_dict
 
 # Test hook: seconds to sleep after the first group is written (to SIGKILL a conversion mid-write).
@@ -55,7 +63,8 @@ _TMP_TAG = ".farskip-tmp-"
 
 @dataclasses.dataclass(frozen=True)
 class Group:
-    """Parameters written by one Orbax save: the embedding, one decoder layer, or the head."""
+    """Parameters written by one partial save: the embedding, a layer's non-expert weights, one
+    stacked routed-expert array, or the head."""
 
     name: str
     specs: tuple[ParamSpec, ...]
@@ -293,15 +302,41 @@ def read_param_as(source: TensorSource, spec: ParamSpec, dtype: np.dtype) -> np.
     Stacked experts are filled into one preallocated array expert by expert, so at most one HF
     expert tensor is held besides the result.
     """
+    out = np.empty(spec.shape, dtype)
     if is_stacked(spec):
-        out = np.empty(spec.shape, dtype)
+        layout = None
         for j, key in enumerate(spec.hf_keys):
-            out[j] = spec.to_ours([source.read(key)])[0]
+            t = source.read(key)
+            if layout is None:
+                layout = expert_layout(spec, t)
+            copy_into(out[j], layout(t))
         return out
     arr = spec.to_ours([source.read(spec.hf_keys[0])])
     if arr.shape != spec.shape:
         raise CheckpointError(f"parameter {spec.name}: built shape {arr.shape} != {spec.shape}")
-    return np.ascontiguousarray(arr, dtype=dtype)
+    copy_into(out, arr)
+    return out
+
+
+def expert_layout(spec: ParamSpec, t: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """One expert's HF tensor -> its slice of our stacked array. `spec.to_ours` stacks (a copy); when
+    it equals the plain transpose for the first expert (every stacked spec today), the transpose
+    view is used instead, so `copy_into` makes the only copy."""
+    ref = spec.to_ours([t])[0]
+    if t.ndim == 2 and ref.shape == t.T.shape and np.array_equal(bits(ref), bits(t).T):
+        return lambda x: x.T
+    return lambda x: spec.to_ours([x])[0]
+
+
+def read_group(source: TensorSource, group: Group, dtype: np.dtype) -> tuple[dict, int]:
+    """(nested dict of the group's parameters, their bytes)."""
+    tree: dict = {}
+    nbytes = 0
+    for spec in group.specs:
+        arr = read_param_as(source, spec, dtype)
+        nest_set(tree, spec.path, arr)
+        nbytes += arr.nbytes
+    return tree, nbytes
 
 
 def hf_key_label(spec: ParamSpec) -> str:
@@ -332,11 +367,10 @@ def check_mesh(mesh: dict[str, int], cfg: ModelConfig) -> None:
 def convert_hf_to_orbax(input_dir: str | Path, output_dir: str | Path, *, dtype: str | None = None,
                         mesh: dict[str, int] | None = None, overrides: dict[str, Any] | None = None,
                         dry_run: bool = False, overwrite: bool = False, progress: bool = True,
-                        log: Callable[[str], None] = print) -> Summary:
+                        compress: bool = False, log: Callable[[str], None] = print) -> Summary:
     """Validates an HF DeepSeek-V2/V3, Instella-MoE or Qwen3-MoE directory, then writes it as a farskip
-    Orbax checkpoint (DeepSeek-V3's multi-token-prediction layers are skipped, with a message)."""
-    import orbax.checkpoint as ocp
-
+    Orbax checkpoint (DeepSeek-V3's multi-token-prediction layers are skipped, with a message;
+    `compress`: zstd, about 10% smaller for bf16 weights and CPU-bound)."""
     src, out = Path(input_dir), Path(output_dir)
     base_cfg = config_from_dir(src)
     source = TensorSource(src)
@@ -362,31 +396,30 @@ def convert_hf_to_orbax(input_dir: str | Path, output_dir: str | Path, *, dtype:
             f"{list(cfg.farskip.layer_range(cfg.num_layers))}")
         return summary
     t0 = time.perf_counter()
-    ckptr = ocp.Checkpointer(ocp.StandardCheckpointHandler())
+    np_dt = np_dtype(dtype)
     with atomic_output_dir(out, log) as tmp, progress_bar(total, "HF -> Orbax", progress) as bar:
         shutil.copyfile(src / "config.json", tmp / "config.json")
         (tmp / MODEL_CONFIG).write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
-        (tmp / "params").mkdir()
-        marker_groups = []
-        for gi, group in enumerate(groups):
-            tree: dict = {}
-            save_args: dict = {}
-            for spec in group.specs:
-                arr = read_param_as(source, spec, np_dtype(dtype))
-                nest_set(tree, spec.path, arr)
-                # One chunk per expert: an EP restore reads only the experts it owns.
-                nest_set(save_args, spec.path, ocp.SaveArgs(shard_axes=(0,) if is_stacked(spec) else ()))
-                bar.update(arr.nbytes)
-            bar.set_postfix_str(f"writing {group.name}")
-            ckptr.save(tmp / "params" / group.name, args=ocp.args.StandardSave(tree, save_args=save_args))
-            del tree, save_args
-            marker_groups.append({"name": group.name, "dir": f"params/{group.name}",
-                                  "params": [{"path": list(s.path), "shape": list(s.shape)}
-                                             for s in group.specs]})
-            if gi == 0:
-                _test_pause()
-        marker = {"format": FORMAT, "version": VERSION, "dtype": dtype, "groups": marker_groups,
-                  "num_params": summary.params, "bytes": total, "mesh": mesh or {}, "source": str(src)}
+        # One chunk per expert: an EP restore reads only the experts it owns.
+        writer = ParamsWriter(tmp, {s.path for s in specs if is_stacked(s)}, compress=compress)
+        # Reading (disk + layout copies) of group i+1 overlaps writing group i: two groups in memory.
+        with ThreadPoolExecutor(1, thread_name_prefix="farskip-read") as pool:
+            pending = pool.submit(read_group, source, groups[0], np_dt)
+            for gi, group in enumerate(groups):
+                tree, nbytes = pending.result()
+                if gi + 1 < len(groups):
+                    pending = pool.submit(read_group, source, groups[gi + 1], np_dt)
+                bar.set_postfix_str(f"writing {group.name}")
+                writer.add(tree)
+                del tree
+                bar.update(nbytes)
+                if gi == 0:
+                    _test_pause()
+        writer.finish()
+        marker = {"format": FORMAT, "version": VERSION, "dtype": dtype, "item": PARAMS_ITEM,
+                  "params": [{"path": list(s.path), "shape": list(s.shape)} for s in specs],
+                  "num_params": summary.params, "bytes": total, "mesh": mesh or {}, "source": str(src),
+                  "compressed": compress}
         (tmp / MARKER).write_text(json.dumps(marker, indent=1) + "\n")  # last: marks completion
     summary.bytes, summary.seconds = total, time.perf_counter() - t0
     log(summary.line(f"wrote {out}:"))

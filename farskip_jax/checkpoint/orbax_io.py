@@ -7,8 +7,10 @@ devices own, casts them while reading, and no array is ever gathered on one devi
 Targets without a sharding restore as numpy arrays (the Orbax -> HF converter streams those).
 
 Layout of a converted directory (detected by `farskip_checkpoint.json`, see `convert.py`):
-OUT/farskip_checkpoint.json (marker: format, dtype, parameter groups), OUT/model_config.json,
-OUT/config.json, OUT/params/<group>/ (one Orbax PyTree per group).
+OUT/farskip_checkpoint.json (marker: format, version, dtype, parameter paths and shapes),
+OUT/model_config.json, OUT/config.json, and one standard Orbax checkpoint whose single item is
+OUT/params/ (the parameter pure dict; written by `ParamsWriter`). Version-1 directories (one Orbax
+PyTree per group under OUT/params/<group>/) still load.
 A trainer checkpoint: RUN/checkpoints/STEP/{params,opt_state,meta}, "params" being the student's
 parameter pure dict.
 """
@@ -31,7 +33,10 @@ from farskip_jax.config import ModelConfig, from_dict, override
 MARKER = "farskip_checkpoint.json"
 MODEL_CONFIG = "model_config.json"
 FORMAT = "farskip-orbax-params"
-VERSION = 1
+VERSION = 2  # 1: one Orbax checkpoint per group under params/<group>/ (still read)
+READ_VERSIONS = (1, 2)
+PARAMS_ITEM = "params"
+_PARTIAL = "_orbax_partial"  # partial-save session name inside the output's temp dir
 
 
 def restore_tree(directory: str | Path, target: Any, partial: bool = False) -> Any:
@@ -52,6 +57,64 @@ def restore_tree(directory: str | Path, target: Any, partial: bool = False) -> A
 
 
 # --------------------------------------------------------------------------------------------
+# Writing one standard Orbax checkpoint group by group
+
+
+class ParamsWriter:
+    """Builds `directory/params` as ONE standard Orbax PyTree checkpoint, added to one group at a
+    time (`orbax.checkpoint.experimental.v1.partial`), so host memory holds one group, not the model.
+
+    Every `add` writes its arrays into its own pending OCDBT directory; `finish` merges the pending
+    manifests into one (data files stay where they were written: no copy) and lays the result out
+    as a v1 checkpoint with the single checkpointable "params" (the same item name and layout as
+    a trainer CheckpointManager step): `ocp.StandardCheckpointer().restore(directory / "params")`,
+    `ocp.v1.load(directory)` and a Composite restore of item "params" all read it whole.
+    Arrays whose path is in `per_row_chunks` are chunked along axis 0 (one routed expert per chunk).
+    """
+
+    def __init__(self, directory: Path, per_row_chunks: set[tuple] = frozenset(), compress: bool = False):
+        from orbax.checkpoint.experimental import v1
+        from orbax.checkpoint.experimental.v1 import options
+
+        self.directory = Path(directory)
+        self._session = self.directory / _PARTIAL
+        self._v1 = v1
+        storage = options.ArrayOptions.Saving.StorageOptions
+        per_row = storage(shard_axes=(0,))
+
+        def scoped(keypath, _value):
+            return per_row if _keypath(keypath) in per_row_chunks else None
+
+        self._ctx = v1.Context()
+        self._ctx.array.saving.use_compression = compress
+        self._ctx.array.saving.scoped_storage_options_creator = scoped
+
+    def add(self, tree: dict) -> None:
+        """Writes `tree` (numpy leaves at paths no earlier call wrote) and returns when it is on disk."""
+        with self._ctx:
+            self._v1.partial.save(self._session, tree)
+
+    def finish(self) -> None:
+        from orbax.checkpoint.experimental.v1._src.handlers import pytree_handler
+
+        with self._ctx:
+            self._v1.partial.finalize(self._session)
+        (self._session / "state").rename(self.directory / PARAMS_ITEM)
+        meta_file = self._session / "_CHECKPOINT_METADATA"
+        meta = json.loads(meta_file.read_text())
+        cls = pytree_handler.PyTreeHandler
+        meta["item_handlers"] = {PARAMS_ITEM: f"{cls.__module__}.{cls.__qualname__}"}
+        meta_file.write_text(json.dumps(meta))
+        for f in self._session.iterdir():
+            f.rename(self.directory / f.name)
+        self._session.rmdir()
+
+
+def _keypath(keypath: tuple) -> tuple:
+    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in keypath)
+
+
+# --------------------------------------------------------------------------------------------
 # Converted checkpoints
 
 
@@ -65,10 +128,17 @@ def read_marker(path: str | Path) -> dict:
         raise CheckpointError(f"{path}: no {MARKER}; not a complete farskip Orbax checkpoint (an "
                               "interrupted conversion leaves none)")
     marker = json.loads(f.read_text())
-    if marker.get("format") != FORMAT or marker.get("version") != VERSION:
+    if marker.get("format") != FORMAT or marker.get("version") not in READ_VERSIONS:
         raise CheckpointError(f"{f}: format {marker.get('format')!r} version {marker.get('version')!r}; "
-                              f"expected {FORMAT!r} version {VERSION}")
+                              f"expected {FORMAT!r} version {' or '.join(map(str, READ_VERSIONS))}")
     return marker
+
+
+def marker_params(marker: dict) -> list[dict]:
+    """[{"path": [...], "shape": [...]}] of every parameter (version 1 lists them per group)."""
+    if marker["version"] == 1:
+        return [p for g in marker["groups"] for p in g["params"]]
+    return marker["params"]
 
 
 def load_model_config(path: str | Path, **overrides: Any) -> ModelConfig:
@@ -79,7 +149,7 @@ def load_model_config(path: str | Path, **overrides: Any) -> ModelConfig:
 
 
 def check_marker_params(path: Path, marker: dict, cfg: ModelConfig) -> None:
-    saved = {tuple(p["path"]): tuple(p["shape"]) for g in marker["groups"] for p in g["params"]}
+    saved = {tuple(p["path"]): tuple(p["shape"]) for p in marker_params(marker)}
     problems = []
     for s in param_specs(cfg):
         if s.path not in saved:
@@ -93,14 +163,20 @@ def check_marker_params(path: Path, marker: dict, cfg: ModelConfig) -> None:
     raise_problems(f"Orbax checkpoint {path}", problems)
 
 
-def restore_group(path: Path, group: dict, dtype: Any, sharding_fn: Callable[[tuple], Any] | None) -> dict:
-    """One group as a nested dict; numpy arrays when `sharding_fn` is None, else sharded jax.Arrays."""
+def params_target(params: list[dict], dtype: Any, sharding_fn: Callable[[tuple], Any] | None) -> dict:
+    """ShapeDtypeStructs for marker `params` entries: with a sharding from `sharding_fn`, or none
+    (restored as numpy) when it is None."""
     target: dict = {}
-    for p in group["params"]:
+    for p in params:
         pth = tuple(p["path"])
         sharding = sharding_fn(pth) if sharding_fn is not None else None
         nest_set(target, pth, jax.ShapeDtypeStruct(tuple(p["shape"]), dtype, sharding=sharding))
-    return restore_tree(path / group["dir"], target)
+    return target
+
+
+def restore_group(path: Path, group: dict, dtype: Any, sharding_fn: Callable[[tuple], Any] | None) -> dict:
+    """One group of a version-1 directory (its own Orbax checkpoint under params/<group>/)."""
+    return restore_tree(path / group["dir"], params_target(group["params"], dtype, sharding_fn))
 
 
 def sharding_fn(shardings: Any, cfg: ModelConfig) -> Callable[[tuple], Any]:
@@ -127,10 +203,14 @@ def restore_params(path: str | Path, cfg: ModelConfig, shardings: Any = None, dt
     marker = read_marker(path)
     check_marker_params(path, marker, cfg)
     fn = sharding_fn(shardings, cfg)
-    out: dict = {}
-    for group in marker["groups"]:
-        deep_merge(out, restore_group(path, group, DTYPES[cfg.param_dtype] if dtype is None else dtype, fn))
-    return out
+    dtype = DTYPES[cfg.param_dtype] if dtype is None else dtype
+    if marker["version"] == 1:
+        out: dict = {}
+        for group in marker["groups"]:
+            deep_merge(out, restore_group(path, group, dtype, fn))
+        return out
+    # One restore of the whole tree: TensorStore reads on each host only its devices' slices.
+    return restore_tree(path / PARAMS_ITEM, params_target(marker["params"], dtype, fn))
 
 
 # --------------------------------------------------------------------------------------------

@@ -115,7 +115,7 @@ def orbax_dir(hf_dir, tmp_path_factory):
 
 
 def test_layout_and_config(orbax_dir, hf_dir):
-    assert (orbax_dir / MARKER).is_file() and (orbax_dir / "params" / "layer_001_experts_w_up").is_dir()
+    assert (orbax_dir / MARKER).is_file() and (orbax_dir / "params" / "_METADATA").is_file()
     original = json.loads((hf_dir / "config.json").read_text())
     assert json.loads((orbax_dir / "config.json").read_text()) == original
     cfg = load_model_config(orbax_dir)
@@ -340,7 +340,7 @@ def test_interrupted_conversion_leaves_nothing_loadable(hf_dir, tmp_path):
             if "test pause" in line:
                 break
         tmp = list(tmp_path.glob(".killed.farskip-tmp-*"))
-        assert tmp and (tmp[0] / "params" / "embed").is_dir()  # really stopped mid-write
+        assert tmp and list(tmp[0].glob("*.partial_save"))  # really stopped mid-write
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
@@ -352,3 +352,69 @@ def test_interrupted_conversion_leaves_nothing_loadable(hf_dir, tmp_path):
     assert cli(["--input", str(hf_dir), "--output", str(out), "--no-progress"]) == 0
     assert not list(tmp_path.glob(".killed.farskip-tmp-*")) and (out / MARKER).exists()
     shutil.rmtree(out)
+
+
+# --------------------------------------------------------------------------------------------
+# The output is one standard Orbax checkpoint; version-1 directories (one checkpoint per group) load
+
+
+def _str_keys(tree):
+    return {str(k): _str_keys(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
+
+
+def test_plain_orbax_restores_the_whole_tree(orbax_dir):
+    """No farskip code: v0 StandardCheckpointer on OUT/params, v1 load on OUT, and a
+    CheckpointManager-style Composite restore of item "params" each give our loader's params."""
+    import orbax.checkpoint as ocp
+    from orbax.checkpoint.experimental import v1
+
+    from farskip_jax.checkpoint.orbax_io import restore_params
+
+    ours = _str_keys(jax.tree.map(np.asarray, restore_params(orbax_dir, load_model_config(orbax_dir))))
+    std = ocp.StandardCheckpointer().restore((orbax_dir / "params").absolute())
+    loaded = v1.load(orbax_dir)
+    composite = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
+        orbax_dir.absolute(), args=ocp.args.Composite(params=ocp.args.StandardRestore(
+            jax.tree.map(ocp.utils.to_shape_dtype_struct, ours))))["params"]
+    for tree in (std, loaded, composite):
+        assert jax.tree.structure(tree) == jax.tree.structure(ours)
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), tree, ours)
+
+
+def _write_version1(src: Path, dst: Path) -> None:
+    """`src` (a version-2 directory) rewritten in the version-1 layout: params/<group>/ + index."""
+    import orbax.checkpoint as ocp
+
+    from farskip_jax.checkpoint.common import nest_get, nest_set
+    from farskip_jax.checkpoint.convert import group_specs
+    from farskip_jax.checkpoint.hf_keys import param_specs
+    from farskip_jax.checkpoint.orbax_io import restore_params
+
+    cfg = load_model_config(src)
+    params = jax.tree.map(np.asarray, restore_params(src, cfg))
+    dst.mkdir()
+    for f in ("config.json", "model_config.json"):
+        shutil.copyfile(src / f, dst / f)
+    marker = json.loads((src / MARKER).read_text())
+    groups = []
+    ckptr = ocp.Checkpointer(ocp.StandardCheckpointHandler())  # what version 1 wrote with
+    for g in group_specs(param_specs(cfg)):
+        tree: dict = {}
+        for s in g.specs:
+            nest_set(tree, s.path, nest_get(params, s.path))
+        ckptr.save((dst / "params" / g.name).absolute(), args=ocp.args.StandardSave(tree))
+        groups.append({"name": g.name, "dir": f"params/{g.name}",
+                       "params": [{"path": list(s.path), "shape": list(s.shape)} for s in g.specs]})
+    marker.update(version=1, groups=groups)
+    del marker["params"]
+    (dst / MARKER).write_text(json.dumps(marker))
+
+
+def test_version1_layout_still_loads(orbax_dir, hf_dir, hf_logits, tmp_path):
+    old = tmp_path / "v1"
+    _write_version1(orbax_dir, old)
+    assert (old / "params" / "embed" / "_METADATA").is_file()
+    assert np.abs(_our_logits(from_pretrained(old)) - hf_logits).max() <= 1e-4
+    back = tmp_path / "hf"
+    assert cli(["--to-hf", "--input", str(old), "--output", str(back), "--no-progress"]) == 0
+    _same_tensors(_tensors(hf_dir), _tensors(back))
