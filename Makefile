@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	JAX_PLATFORMS=cpu $(BIN)/python train.py --config tiny_demo
 
+# Two pytest workers (the CI machine's 2 cores; XLA compiles on one thread), each test file on one
+# worker so that module fixtures are built once.
 test: $(STAMP)
-	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q
+	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
