@@ -61,12 +61,7 @@ def _deepseek_v2_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"config.json topk_method={method!r} is not supported; allowed: {allowed}")
     rope_scaling, rope_theta = _rope_from_hf(hf)
     kw: dict[str, Any] = dict(
-        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"], moe_intermediate_size=hf["moe_intermediate_size"],
-        num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
-        q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
-        qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
-        v_head_dim=hf["v_head_dim"], n_routed_experts=hf["n_routed_experts"],
+        **_mla_fields(hf),
         n_shared_experts=hf.get("n_shared_experts") or 0,
         num_experts_per_tok=hf["num_experts_per_tok"],
         first_k_dense_replace=hf.get("first_k_dense_replace", 0),
@@ -93,27 +88,14 @@ def _deepseek_v2_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
         raise ConfigError("mlp_only_layers, moe_layer_offset and router_norm_min_k != 2 cannot be "
                           "written as a DeepseekV2 config.json")
     _require(cfg, _V3_FEATURES, "DeepseekV2")
-    rope: dict[str, Any] = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
-    if cfg.rope_scaling is not None:
-        rs = cfg.rope_scaling
-        rope = {"rope_theta": cfg.rope_theta, "rope_type": "yarn", "factor": rs.factor,
-                "original_max_position_embeddings": rs.original_max_position_embeddings,
-                "beta_fast": rs.beta_fast, "beta_slow": rs.beta_slow, "mscale": rs.mscale,
-                "mscale_all_dim": rs.mscale_all_dim}
     return {
         "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size,
-        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_heads, "q_lora_rank": cfg.q_lora_rank,
-        "kv_lora_rank": cfg.kv_lora_rank, "qk_nope_head_dim": cfg.qk_nope_head_dim,
-        "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim,
-        "n_routed_experts": cfg.n_routed_experts, "n_shared_experts": cfg.n_shared_experts,
+        **_mla_keys(cfg),
         "num_experts_per_tok": cfg.num_experts_per_tok,
         "first_k_dense_replace": cfg.first_k_dense_replace, "moe_layer_freq": cfg.moe_layer_freq,
         "topk_method": cfg.routing, "n_group": cfg.n_group, "topk_group": cfg.topk_group,
         "routed_scaling_factor": cfg.routed_scaling_factor, "norm_topk_prob": cfg.norm_topk_prob,
-        "rms_norm_eps": cfg.rms_norm_eps, "rope_parameters": rope,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_parameters": _rope_to_hf(cfg),
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_word_embeddings, "hidden_act": "silu",
         "attention_bias": False, "mlp_bias": False, "aux_loss_alpha": cfg.aux_loss_alpha,
@@ -212,12 +194,7 @@ def _deepseek_v3_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError("config.json attention_bias/mlp_bias=true is not supported by DeepSeek-V3")
     rope_scaling, rope_theta = _rope_from_hf(hf)
     return dict(
-        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"], moe_intermediate_size=hf["moe_intermediate_size"],
-        num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
-        q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
-        qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
-        v_head_dim=hf["v_head_dim"], n_routed_experts=hf["n_routed_experts"],
+        **_mla_fields(hf),
         n_shared_experts=hf.get("n_shared_experts", 1) or 0,
         num_experts_per_tok=hf.get("num_experts_per_tok", 8),
         first_k_dense_replace=hf.get("first_k_dense_replace", 3), moe_layer_freq=1,
@@ -247,13 +224,7 @@ def _deepseek_v3_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
     arch = "InstellaMoEForCausalLM" if cfg.attn_output_gate else "DeepseekV3ForCausalLM"
     return {
         "architectures": [arch], "model_type": "deepseek_v3",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size,
-        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_heads, "q_lora_rank": cfg.q_lora_rank,
-        "kv_lora_rank": cfg.kv_lora_rank, "qk_nope_head_dim": cfg.qk_nope_head_dim,
-        "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim,
-        "n_routed_experts": cfg.n_routed_experts, "n_shared_experts": cfg.n_shared_experts,
+        **_mla_keys(cfg),
         "num_experts_per_tok": cfg.num_experts_per_tok, "first_k_dense_replace": cfg.first_k_dense_replace,
         "n_group": cfg.n_group, "topk_group": cfg.topk_group,
         "routed_scaling_factor": cfg.routed_scaling_factor, "norm_topk_prob": cfg.norm_topk_prob,
@@ -270,6 +241,29 @@ def _deepseek_v3_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
 
 
 # ---- shared by all families -----------------------------------------------------------------
+
+
+def _mla_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The widths and counts every MLA family (DeepSeek-V2, DeepSeek-V3) reads the same way."""
+    return dict(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"], moe_intermediate_size=hf["moe_intermediate_size"],
+        num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+        q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
+        qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+        v_head_dim=hf["v_head_dim"], n_routed_experts=hf["n_routed_experts"])
+
+
+def _mla_keys(cfg: ModelConfig) -> dict[str, Any]:
+    """The inverse of `_mla_fields` (plus n_shared_experts), in config.json's key order."""
+    return {
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_heads, "q_lora_rank": cfg.q_lora_rank,
+        "kv_lora_rank": cfg.kv_lora_rank, "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim,
+        "n_routed_experts": cfg.n_routed_experts, "n_shared_experts": cfg.n_shared_experts}
 
 
 def _require(cfg: ModelConfig, fixed: Mapping[str, Any], family: str) -> None:
