@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import math
 import os
 import sys
 from collections.abc import Sequence
@@ -189,12 +188,12 @@ def check_devices(mesh: MeshConfig, text: str) -> None:
 def check_layout(cfg: ModelConfig, mesh: MeshConfig, text: str) -> None:
     """The checkpoint's shapes split evenly over the mesh (checked before loading any weight)."""
     if mesh.tensor > 1:
-        sizes = cfg.tensor_split_sizes()
-        bad = [f"{name} {v}" for name, v in sizes.items() if v % mesh.tensor]
+        bad = cfg.tensor_layout_errors(mesh.tensor)
         if bad:
-            fit = math.gcd(*sizes.values())
-            raise CliError(f"--mesh {text}: tensor={mesh.tensor} does not divide the checkpoint's "
-                           f"{', '.join(bad)}; choose a divisor of {fit}")
+            fit = [t for t in range(1, 2 * mesh.tensor) if not cfg.tensor_layout_errors(t)]
+            raise CliError(f"--mesh {text}: tensor={mesh.tensor} does not split the checkpoint's "
+                           f"{', '.join(bad)}; tensor sizes that do, up to {2 * mesh.tensor - 1}: "
+                           f"{', '.join(map(str, fit))}")
     elif cfg.n_routed_experts % mesh.expert:
         raise CliError(f"--mesh {text}: expert={mesh.expert} does not divide the checkpoint's "
                        f"{cfg.n_routed_experts} routed experts; choose a divisor of {cfg.n_routed_experts}")

@@ -234,14 +234,30 @@ class ModelConfig:
                 and (idx + self.moe_layer_offset) % self.moe_layer_freq == 0)
 
     def tensor_split_sizes(self) -> dict[str, int]:
-        """Every size the tensor-parallel layout splits over `mesh.tensor` (each must divide)."""
+        """Every size the tensor-parallel layout splits over `mesh.tensor` (each must divide). GQA's
+        key/value heads are not among them: see `tensor_layout_errors`."""
         sizes = {"attention heads": self.num_heads, "routed experts": self.n_routed_experts,
                  "shared-expert width": self.moe_intermediate_size * self.n_shared_experts}
-        if self.attention_kind == "gqa":
-            sizes["key/value heads"] = self.kv_heads
         if any(not self.is_moe_layer(i) for i in range(self.num_layers)):
             sizes["dense MLP width"] = self.intermediate_size
         return sizes
+
+    def tensor_layout_errors(self, tensor: int) -> list[str]:
+        """What keeps the tensor-parallel layout from splitting `self` over `tensor` ranks, as
+        "name (size)" items; empty when it splits evenly. GQA's key/value heads are split when
+        `tensor` divides them and replicated when they divide `tensor` (`tp_kv_heads`)."""
+        bad = [f"{name} ({size})" for name, size in self.tensor_split_sizes().items() if size % tensor]
+        g = self.kv_heads
+        if self.attention_kind == "gqa" and g % tensor and tensor % g:
+            bad.append(f"key/value heads ({g}: neither a multiple nor a divisor of {tensor})")
+        return bad
+
+    def tp_kv_heads(self, tensor: int) -> int:
+        """GQA key/value heads in the tensor-parallel layout over `tensor` ranks: the model's own
+        when they split evenly, else one per rank, each head copied to the tensor / G ranks whose
+        query heads read it (vLLM's rule for TP beyond the key/value heads, e.g. Qwen3-30B-A3B's 4
+        at TP=8)."""
+        return max(self.kv_heads, tensor)
 
     def validate(self) -> None:
         positive = ["vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",

@@ -89,8 +89,7 @@ def tensor_parallel_mesh(cfg: ModelConfig, devices: Sequence[jax.Device]) -> jax
     from farskip_jax.config import MeshConfig
     from farskip_jax.parallel import make_mesh
 
-    widths = list(cfg.tensor_split_sizes().values())
-    n = max(t for t in range(1, len(devices) + 1) if all(w % t == 0 for w in widths))
+    n = max(t for t in range(1, len(devices) + 1) if not cfg.tensor_layout_errors(t))
     return None if n == 1 else make_mesh(MeshConfig(tensor=n), list(devices))
 
 
@@ -141,7 +140,8 @@ class Generator:
             self.state = place(state, self.mesh, "tp")
 
     def empty_caches(self, batch: int, slots: int) -> tuple[AttentionCache, ...]:
-        return tuple(empty_cache(self.cfg, batch, slots, self.cache_dtype)
+        tensor = 1 if self.mesh is None else self.mesh.shape["tensor"]
+        return tuple(empty_cache(self.cfg, batch, slots, self.cache_dtype, tensor)
                      for _ in range(self.cfg.num_layers))
 
     def generate(self, prompts: np.ndarray, max_new_tokens: int, *, eos_ids: Sequence[int] = (),

@@ -246,7 +246,8 @@ def test_host_device_flags():
     ("expert:8", "expected AXIS=N"),
     ("data=2,expert=8", "needs 16 devices, 8 cpu device(s) available"),
     ("expert=3", "expert=3 does not divide the checkpoint's 8 routed experts"),
-    ("tensor=3", "tensor=3 does not divide the checkpoint's attention heads 8, routed experts 8"),
+    ("tensor=3", "tensor=3 does not split the checkpoint's attention heads (8), routed experts (8), "
+     "shared-expert width (16); tensor sizes that do, up to 5: 1, 2, 4"),
 ])
 def test_cli_mesh_errors(ckpt, tmp_path, capsys, mesh, needle):
     out = tmp_path / "o.npy"

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from farskip_jax.config import Config, ModelConfig
 from farskip_jax.model.dispatch import rows_per_expert
 from farskip_jax.model.transformer import Transformer, with_farskip
-from farskip_jax.parallel import BATCH_AXES, ExpertParallel, param_specs_tree, tp_forward
+from farskip_jax.parallel import BATCH_AXES, ExpertParallel, param_specs_tree, replicate_kv_heads, tp_forward
 
 BATCH_FIELDS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
 
@@ -134,6 +134,7 @@ def build_prefill_step(cfg: Config, batch: int, seq_len: int
     def build(mesh: Mesh, mode: str):
         mcfg = model_for(cfg.model, mode)
         graphdef, params = _abstract_model(mcfg)
+        params = replicate_kv_heads(params, mesh.shape["tensor"])
         specs = param_specs_tree(params, "tp")
         p_shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
         fwd = tp_forward(graphdef, params, mesh)
@@ -157,6 +158,7 @@ def build_decode_step(cfg: Config, batch: int, cache_len: int
     def build(mesh: Mesh, mode: str):
         mcfg = model_for(cfg.model, mode)
         graphdef, params = _abstract_model(mcfg)
+        params = replicate_kv_heads(params, mesh.shape["tensor"])
         specs = param_specs_tree(params, "tp")
         p_shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
         fwd = tp_cached_forward(graphdef, params, mesh, prefill=False)
@@ -164,7 +166,8 @@ def build_decode_step(cfg: Config, batch: int, cache_len: int
         cache_spec = P(None, None, "tensor") if mcfg.attention_kind == "gqa" else P()
         cache = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, cache_spec)),
-            jax.eval_shape(lambda: empty_cache(mcfg, batch, cache_len, DTYPES[mcfg.dtype])))
+            jax.eval_shape(lambda: empty_cache(mcfg, batch, cache_len, DTYPES[mcfg.dtype],
+                                               mesh.shape["tensor"])))
         caches = tuple(cache for _ in range(mcfg.num_layers))
         column = jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=replicated)
 

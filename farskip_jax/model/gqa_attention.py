@@ -4,7 +4,8 @@ Selected by `ModelConfig.attention_kind == "gqa"` (model/transformer.py `Decoder
 interface is MLAttention's, so the layer recurrence, the blockwise attention core and the
 parallel paths are shared. Query head h reads key/value head h // (H / G), the grouping of HF's
 `repeat_kv`; under tensor parallelism a rank holds H / tp query heads and the G / tp key/value
-heads they read (both counts come from the weights, never from the config).
+heads they read, or with tp > G the one head they read, copied there (parallel/mesh.py
+`replicate_kv_heads`); both counts come from the weights, never from the config.
 
 Shape legend: B batch, T query tokens, S key tokens (cache slots), D model width, H query heads,
 G key/value heads, K head dim.
@@ -31,8 +32,10 @@ class KVCache(NamedTuple):
     v: jax.Array  # [B, S, G, K]
 
     @classmethod
-    def empty(cls, cfg: ModelConfig, batch: int, slots: int, dtype: jnp.dtype) -> KVCache:
-        shape = (batch, slots, cfg.kv_heads, cfg.attn_head_dim)
+    def empty(cls, cfg: ModelConfig, batch: int, slots: int, dtype: jnp.dtype, tensor: int = 1) -> KVCache:
+        """Zeros for `batch` rows of `slots` tokens; with `tensor` > 1, the heads of the TP layout
+        over that many ranks (`ModelConfig.tp_kv_heads`: copied heads are cached once per rank)."""
+        shape = (batch, slots, cfg.tp_kv_heads(tensor), cfg.attn_head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
     def write(self, k_btgk: jax.Array, v_btgk: jax.Array, positions_bt: jax.Array) -> KVCache:

@@ -52,10 +52,13 @@ def attention_module(cfg: ModelConfig) -> type[MLAttention] | type[GQAttention]:
     return GQAttention if cfg.attention_kind == "gqa" else MLAttention
 
 
-def empty_cache(cfg: ModelConfig, batch: int, slots: int, dtype: jnp.dtype) -> AttentionCache:
-    """One layer's empty inference cache for `cfg`'s attention kind."""
-    cache_type = KVCache if cfg.attention_kind == "gqa" else LatentCache
-    return cache_type.empty(cfg, batch, slots, dtype)
+def empty_cache(cfg: ModelConfig, batch: int, slots: int, dtype: jnp.dtype,
+                tensor: int = 1) -> AttentionCache:
+    """One layer's empty inference cache for `cfg`'s attention kind, for a TP layout over `tensor`
+    ranks (GQA's key/value heads as that layout holds them; MLA's latent cache is replicated)."""
+    if cfg.attention_kind == "gqa":
+        return KVCache.empty(cfg, batch, slots, dtype, tensor)
+    return LatentCache.empty(cfg, batch, slots, dtype)
 
 
 class DecoderLayer(nnx.Module):

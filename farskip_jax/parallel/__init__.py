@@ -15,8 +15,9 @@ from farskip_jax.parallel.mesh import (
                                        param_shardings,
                                        param_specs_tree,
                                        partition_spec,
+                                       replicate_kv_heads,
 )
 
 __all__ = ["BATCH_AXES", "ExpertParallel", "TensorParallel", "batch_sharding", "ep_forward", "make_mesh",
-           "param_shardings", "param_specs_tree", "partition_spec", "place", "tp_cached_forward",
-           "tp_forward"]
+           "param_shardings", "param_specs_tree", "partition_spec", "place", "replicate_kv_heads",
+           "tp_cached_forward", "tp_forward"]

@@ -59,7 +59,7 @@ from farskip_jax.model.dispatch import (
     weighted_sum,
 )
 from farskip_jax.model.moe import RoutedExperts, Routing, SharedFn
-from farskip_jax.parallel.mesh import BATCH_AXES, check_tensor_layout, param_specs_tree
+from farskip_jax.parallel.mesh import BATCH_AXES, check_tensor_layout, param_specs_tree, replicate_kv_heads
 
 
 def resolve_exchange(mode: str, mesh: Mesh) -> str:
@@ -470,7 +470,10 @@ def tp_cached_forward(graphdef: nnx.GraphDef, state_like: Any, mesh: Mesh, prefi
 
 
 def place(state: Any, mesh: Mesh, layout: str) -> Any:
-    """Puts every parameter of `state` on `mesh` with its layout's sharding."""
+    """Puts every parameter of `state` on `mesh` with its layout's sharding (TP: GQA key/value heads
+    copied first where the ranks outnumber them, `replicate_kv_heads`)."""
+    if layout == "tp":
+        state = replicate_kv_heads(state, mesh.shape["tensor"])
     specs = param_specs_tree(state, layout)
     return jax.tree.map(lambda x, s: put(x, NamedSharding(mesh, s)), state, specs,
                         is_leaf=lambda x: isinstance(x, P))

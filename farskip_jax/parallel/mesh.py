@@ -8,7 +8,8 @@ Training (EP) layout: routed experts split over `expert` on their leading axis; 
 parameter replicated (DeepSeek-V2-Lite's non-expert weights are ~1.4B parameters: replicating
 them keeps attention free of collectives, which is what lets the all-to-alls hide behind it).
 Inference (TP) layout: heads (GQA: query and key/value heads) and expert axes split over `tensor`,
-the rest replicated.
+the rest replicated. GQA with fewer key/value heads than ranks copies each head to the ranks whose
+query heads read it (`replicate_kv_heads`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -84,13 +86,44 @@ def check_tensor_layout(cfg: ModelConfig, tensor: int) -> None:
     """Raises ConfigError unless the TP layout can split `cfg` over `tensor` ranks evenly."""
     if tensor == 1:
         return
-    bad = [f"{name} ({size})" for name, size in cfg.tensor_split_sizes().items() if size % tensor]
+    bad = cfg.tensor_layout_errors(tensor)
     if bad:
-        raise ConfigError(f"mesh.tensor={tensor} does not divide the model's {', '.join(bad)}: tensor "
-                          "parallelism splits each of them over the tensor axis")
+        raise ConfigError(f"mesh.tensor={tensor} does not split the model's {', '.join(bad)}: tensor "
+                          "parallelism splits each of them over the tensor axis (GQA key/value heads "
+                          "may instead divide it: each is then copied to tensor / heads ranks)")
     if cfg.attention_bias:
         raise ConfigError("model.attention_bias with mesh.tensor > 1 is not supported: the o_proj bias "
                           "would be added once per rank to the partial sums")
+
+
+_KV_PROJECTIONS = ("attn/k_proj", "attn/v_proj", "attn/k_bias", "attn/v_bias")
+
+
+def replicate_kv_heads(state: Any, tensor: int) -> Any:
+    """`state` for the TP layout over `tensor` ranks: GQA key/value projections with fewer heads than
+    ranks ([D, G, K], biases [G, K]) get each head repeated tensor / G times, in place, so that rank r
+    holds head r // (tensor / G), the one its query heads read (heads r * H/tensor ... are all in
+    group r // (tensor / G) of size H / G). Arrays and ShapeDtypeStructs; anything else unchanged."""
+
+    def expand(path: tuple, x: Any) -> Any:
+        name = "/".join(str(_key(k)) for k in path if _key(k) != "value")
+        if not name.endswith(_KV_PROJECTIONS):
+            return x
+        axis = x.ndim - 2  # the head axis of [D, G, K] and [G, K]
+        heads = x.shape[axis]
+        if heads >= tensor:
+            return x
+        if tensor % heads:
+            raise ConfigError(f"{name}: {heads} key/value heads can neither split over nor be copied to "
+                              f"mesh.tensor={tensor} ranks")
+        if isinstance(x, jax.ShapeDtypeStruct):
+            shape = list(x.shape)
+            shape[axis] = tensor
+            return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+        repeat = np.repeat if isinstance(x, np.ndarray) else jnp.repeat
+        return repeat(x, tensor // heads, axis=axis)
+
+    return jax.tree_util.tree_map_with_path(expand, state)
 
 
 def partition_spec(path: tuple, layout: Layout) -> P:

@@ -268,8 +268,9 @@ def test_cached_logits_equal_full_forward(fs_case):
 
 
 def test_greedy_generation_is_hf_generate_and_tp2(fs_case):
-    """Greedy output of right-padded prompts is token-identical to HF generate, on one device and
-    with TP=2 (query and key/value heads, and the KV caches, split over tensor)."""
+    """Greedy output of right-padded prompts is token-identical to HF generate, on one device, with
+    TP=2 (query and key/value heads, and the KV caches, split over tensor) and with TP=4 (each of
+    the 2 key/value heads and its cache copied to two ranks)."""
     gen = Generator(farskip_jax.from_pretrained(fs_case["dir"]))
     out = gen.generate(_padded(PROMPTS), NEW)
     for b, p in enumerate(PROMPTS):
@@ -277,5 +278,6 @@ def test_greedy_generation_is_hf_generate_and_tp2(fs_case):
             ref = fs_case["hf"].generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False,
                                          eos_token_id=None, pad_token_id=0).numpy()[0]
         assert np.array_equal(out[b, : len(p) + NEW], ref), (b, out[b], ref)
-    tp = Generator(farskip_jax.from_pretrained(fs_case["dir"]), mesh=make_mesh(MeshConfig(tensor=2)))
-    np.testing.assert_array_equal(tp.generate(_padded(PROMPTS), NEW), out)
+    for tensor in (2, 4):
+        tp = Generator(farskip_jax.from_pretrained(fs_case["dir"]), mesh=make_mesh(MeshConfig(tensor=tensor)))
+        np.testing.assert_array_equal(tp.generate(_padded(PROMPTS), NEW), out)

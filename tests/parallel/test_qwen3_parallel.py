@@ -1,6 +1,8 @@
-"""Qwen3-MoE sharded: EP=4 (training layout) and TP=2 (inference layout: query and key/value heads,
-dense MLP width and experts over `tensor`) equal one device (fp32, dropless): loss, logits and
-parameter gradients. TP needs the key/value heads to split evenly: otherwise a clear error.
+"""Qwen3-MoE sharded: EP=4 (training layout), TP=2 (inference layout: query and key/value heads,
+dense MLP width and experts over `tensor`) and TP=4 (more ranks than the 2 key/value heads: each
+head copied to the two ranks whose query heads read it) equal one device (fp32, dropless): loss,
+logits and parameter gradients (a copied head's gradient is the sum over its copies). Key/value
+heads that neither split over nor divide the ranks: a clear error.
 
 Model: tiny Qwen3-MoE read from an HF config.json dict, 4 layers (MoE, dense, MoE, MoE via
 mlp_only_layers), 4 query / 2 key/value heads of head_dim 12, 8 experts top-2 renormalised.
@@ -12,6 +14,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 from par_common import ids_and_weights, max_abs_err, record, run_fast
@@ -53,7 +56,19 @@ def reference(request):
                 logits=logits, grads=grads)
 
 
-@pytest.mark.parametrize("mesh_name", ["ep4", "tp2"])
+def _fold_kv_copies(grads, reference):
+    """Gradients of the TP=4 layout folded back to the model's shapes: a key/value head copied to
+    r ranks gets the sum of its r copies' gradients."""
+    def fold(g, ref):
+        g = np.asarray(g)
+        if g.shape == ref.shape:
+            return g
+        axis, heads = g.ndim - 2, ref.shape[g.ndim - 2]
+        return g.reshape(*g.shape[:axis], heads, g.shape[axis] // heads, *g.shape[axis + 1:]).sum(axis + 1)
+    return jax.tree.map(fold, grads, reference)
+
+
+@pytest.mark.parametrize("mesh_name", ["ep4", "tp2", "tp4"])
 def test_sharded_equals_single_device(reference, mesh_name):
     graphdef, state, ids, w = reference["graphdef"], reference["state"], reference["ids"], reference["w"]
     if mesh_name == "ep4":
@@ -62,13 +77,16 @@ def test_sharded_equals_single_device(reference, mesh_name):
         sharded, ids = place(state, mesh, "ep"), jax.device_put(ids, batch_sharding(mesh))
         forward = lambda s, ids: nnx.merge(graphdef, s)(ids, parallel=par).logits  # noqa: E731
     else:
-        mesh = make_mesh(MeshConfig(tensor=2))
+        tensor = int(mesh_name[2:])
+        mesh = make_mesh(MeshConfig(tensor=tensor))
         fwd = tp_forward(graphdef, state, mesh)
         sharded = place(state, mesh, "tp")
-        assert sharded["layers"][0]["attn"]["k_proj"].sharding.spec[1] == "tensor"
+        k_proj = sharded["layers"][0]["attn"]["k_proj"]
+        assert k_proj.sharding.spec[1] == "tensor" and k_proj.shape[1] == max(2, tensor)
         forward = lambda s, ids: fwd(s, ids)[0]  # noqa: E731
     (value, logits), grads = run_fast(jax.value_and_grad(_loss_fn(forward), has_aux=True),
                                       sharded, ids, w)
+    grads = _fold_kv_copies(grads, reference["grads"])
     case = f"{'farskip' if reference['farskip'] else 'regular'}/{mesh_name}"
     errs = {"loss": max_abs_err(value, reference["loss"]), "logits": max_abs_err(logits, reference["logits"]),
             "grads": max_abs_err(grads, reference["grads"])}
@@ -78,13 +96,15 @@ def test_sharded_equals_single_device(reference, mesh_name):
     assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(reference["grads"])) > 1e-4
 
 
-def test_tensor_split_must_divide_kv_heads():
-    """TP=4 splits the 4 query heads but not the 2 key/value heads: refused before any compile."""
-    cfg = _cfg(False)
+def test_tensor_split_must_divide_or_copy_kv_heads():
+    """With 6 query and 3 key/value heads, TP=2 can neither split nor copy the key/value heads: refused
+    before any compile."""
+    cfg = dataclasses.replace(_cfg(False), num_heads=6, num_kv_heads=3)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg)), nnx.Param)
-    with pytest.raises(ConfigError, match=r"mesh.tensor=4 does not divide the model's key/value heads \(2\)"):
-        tp_forward(graphdef, state, make_mesh(MeshConfig(tensor=4)))
-    biased = dataclasses.replace(cfg, attention_bias=True)
+    with pytest.raises(ConfigError, match=r"mesh.tensor=2 does not split the model's key/value heads "
+                                          r"\(3: neither a multiple nor a divisor of 2\)"):
+        tp_forward(graphdef, state, make_mesh(MeshConfig(tensor=2)))
+    biased = dataclasses.replace(_cfg(False), attention_bias=True)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(biased)), nnx.Param)
     with pytest.raises(ConfigError, match="attention_bias"):
         tp_forward(graphdef, state, make_mesh(MeshConfig(tensor=2)))
