@@ -22,7 +22,7 @@ YAMLS = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
 def test_configs_exist():
     assert {"tiny", "tiny_farskip", "dsv2lite", "dsv2lite_farskip", "qwen3_30b_a3b",
-            "qwen3_30b_a3b_farskip", "deepseek_v3", "deepseek_v3_farskip"} <= set(YAMLS)
+            "qwen3_30b_a3b_farskip", "deepseek_v3", "deepseek_v3_farskip", "instella_moe"} <= set(YAMLS)
 
 
 @pytest.mark.parametrize("name", YAMLS)
@@ -133,6 +133,19 @@ def test_deepseek_v3_yaml_is_the_published_model():
     assert list(fs.farskip.layer_range(fs.num_layers)) == list(range(61))
     with pytest.raises(ConfigError, match="DeepseekV3.*moe_layer_freq"):
         dataclasses.replace(ours, moe_layer_freq=2).to_hf_dict()
+
+
+def test_instella_yaml_writes_the_released_architecture():
+    """configs/instella_moe.yaml is a FarSkip Instella-MoE: its config.json form is the released
+    architecture (gated attention, FarSkip keys on every layer, one expert group) and reads back."""
+    ours = load_config("instella_moe").model
+    hf = ours.to_hf_dict()
+    assert hf["architectures"] == ["InstellaMoEForCausalLM"] and hf["model_type"] == "deepseek_v3"
+    assert hf["gated_attention"] and hf["farskip"] and hf["n_group"] == 1
+    assert (hf["num_hidden_layers"], hf["hidden_size"], hf["n_routed_experts"], hf["num_experts_per_tok"],
+            hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]) == (27, 2048, 64, 6, 96, 32)
+    again = ModelConfig.from_hf_dict(hf)
+    assert list(again.farskip.layer_range(27)) == list(range(27)) and again.attn_output_gate
 
 
 def test_unknown_key_names_key_and_allowed():
