@@ -86,9 +86,9 @@ class ModelConfig:
     """DeepSeek-V2/V3, Instella-MoE, Qwen3-MoE and Llama-4 hyper-parameters (names follow HF's
     DeepseekV2Config where one exists). The fields below `tie_word_embeddings`'s group that say what
     the architecture does (attention kind, qk-norm, RoPE layout, layer rule, router scores and
-    normalisation, attention gate, Llama-4's attention variants) default to DeepSeek-V2. Widths: `intermediate_size` is the dense layers' MLP (Llama-4's
-    `intermediate_size_mlp`), `moe_intermediate_size` each routed and shared expert's (Llama-4's
-    `intermediate_size`)."""
+    normalisation, attention gate, Llama-4's attention variants) default to DeepSeek-V2. Widths:
+    `intermediate_size` is the dense layers' MLP (Llama-4's `intermediate_size_mlp`),
+    `moe_intermediate_size` each routed and shared expert's (Llama-4's `intermediate_size`)."""
 
     vocab_size: int = 102400
     hidden_size: int = 2048
