@@ -389,7 +389,8 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
         """Builds a config from an HF DeepseekV2 (both rope generations), DeepseekV3 / Instella-MoE
-        (`model_type: deepseek_v3`) or Qwen3-MoE (`model_type: qwen3_moe`) config.json.
+        (`model_type: deepseek_v3`), Qwen3-MoE (`model_type: qwen3_moe`) or Llama-4 (`model_type:
+        llama4_text`, or `llama4` through its `text_config`) config.json.
 
         FarSkip keys (`farskip`, `farskip_start_idx`, `farskip_end_idx`, `attn_only_farskip`,
         `mlp_only_farskip`) are read as Instella-MoE writes them.
@@ -400,7 +401,8 @@ class ModelConfig:
         return from_dict(cls, merged, "model")
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """An HF config.json: Qwen3-MoE for attention_kind gqa, DeepseekV3 (Instella-MoE when the
+        """An HF config.json: Llama-4 (Llama4ForCausalLM) for attention_kind gqa with any Llama-4 field,
+        else Qwen3-MoE for gqa, DeepseekV3 (Instella-MoE when the
         attention is gated) when a field says DeepSeek-V3's router or RoPE layout, else DeepseekV2
         (`hf_config.hf_family`). Raises ConfigError for a config that family's HF class cannot express."""
         from farskip_jax import hf_config

@@ -1,4 +1,5 @@
-"""HF DeepSeek-V2 / Qwen3-MoE -> Orbax conversion, streamed one group at a time (reading it back: `orbax_io`).
+"""HF DeepSeek-V2/V3 / Qwen3-MoE / Llama-4 -> Orbax conversion, streamed one group at a time (reading it
+back: `orbax_io`).
 
 Layout of a converted directory (detected by `farskip_checkpoint.json`, marker version 2):
 

@@ -1,4 +1,5 @@
-"""The MoE block (DeepSeek-V2/V3, Qwen3-MoE without shared experts): router, shared experts, routed experts.
+"""The MoE block (DeepSeek-V2/V3, Qwen3-MoE without shared experts, Llama-4 with expert-input scaling):
+router, shared experts, routed experts.
 
 Shape legend: N tokens (batch x sequence, flattened), D model width, F expert width, E experts
 (local experts under expert/tensor parallelism), K experts per token.
