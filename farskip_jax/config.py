@@ -368,9 +368,11 @@ class ModelConfig:
         if self.qk_norm and self.qk_norm_after_rope:
             raise ConfigError("model.qk_norm (weighted, before RoPE) and model.qk_norm_after_rope (no "
                               "weight, after RoPE) are exclusive")
-        if self.router_score == "sigmoid_topk" and (self.router_bias or self.routing != "greedy"):
-            raise ConfigError("model.router_score=sigmoid_topk chooses on the plain logits: it needs "
-                              "model.routing=greedy and model.router_bias=false")
+        if self.router_score == "sigmoid_topk" and (self.router_bias or self.routing != "greedy"
+                                                    or self.norm_topk_prob):
+            raise ConfigError("model.router_score=sigmoid_topk chooses on the plain logits and weights by "
+                              "their sigmoid: it needs model.routing=greedy, model.router_bias=false and "
+                              "model.norm_topk_prob=false")
         for name in ("mlp_only_layers", "nope_layers"):
             bad = [i for i in getattr(self, name) if not 0 <= i < self.num_layers]
             if bad:
