@@ -268,7 +268,8 @@ def test_reference_without_farskip_is_hf(text_case):
     assert err <= 1e-5, err
 
 
-@pytest.mark.parametrize("name", list(FARSKIP_CASES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "mlp_only_full" else n
+                                  for n in FARSKIP_CASES])  # mlp_only: -m slow (suite time budget)
 def test_farskip_matches_reference(text_case, name):
     overrides, layers, mode = FARSKIP_CASES[name]
     model = farskip_jax.from_pretrained(text_case["dir"], **overrides)
