@@ -30,15 +30,19 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """YaRN RoPE scaling as DeepSeek-V2 defines it (`rope_scaling` in its config.json)."""
+    """RoPE scaling: YaRN as DeepSeek-V2 defines it (`rope_scaling` in its config.json), or Llama 3.1's
+    frequency-band scaling ("llama3", Llama-4: `factor`, `low_freq_factor`, `high_freq_factor`,
+    `original_max_position_embeddings`; the beta/mscale fields are YaRN's only)."""
 
-    type: Literal["yarn"] = "yarn"
+    type: Literal["yarn", "llama3"] = "yarn"
     factor: float = 1.0
     original_max_position_embeddings: int = 4096
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,10 +83,12 @@ class FarSkipConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """DeepSeek-V2/V3, Instella-MoE and Qwen3-MoE hyper-parameters (names follow HF's DeepseekV2Config
-    where one exists). The fields below `tie_word_embeddings`'s group that say what the architecture
-    does (attention kind, qk-norm, RoPE layout, layer rule, router scores and normalisation, attention
-    gate) default to DeepSeek-V2."""
+    """DeepSeek-V2/V3, Instella-MoE, Qwen3-MoE and Llama-4 hyper-parameters (names follow HF's
+    DeepseekV2Config where one exists). The fields below `tie_word_embeddings`'s group that say what
+    the architecture does (attention kind, qk-norm, RoPE layout, layer rule, router scores and
+    normalisation, attention gate, Llama-4's attention variants) default to DeepSeek-V2. Widths:
+    `intermediate_size` is the dense layers' MLP (Llama-4's `intermediate_size_mlp`),
+    `moe_intermediate_size` each routed and shared expert's (Llama-4's `intermediate_size`)."""
 
     vocab_size: int = 102400
     hidden_size: int = 2048
@@ -138,8 +144,13 @@ class ModelConfig:
     # expert (DeepSeek-V3). `router_bias`: a per-expert bias (HF `e_score_correction_bias`) added to
     # the scores for choosing experts only; the combine weights come from the unbiased scores. It is
     # balanced by a rule outside gradient descent, so the model never passes it a gradient.
-    router_score: Literal["softmax", "sigmoid"] = "softmax"
+    # "sigmoid_topk" (Llama-4): the top-k are chosen on the router logits and weighted by the sigmoid
+    # of their logits (no bias, no groups).
+    router_score: Literal["softmax", "sigmoid", "sigmoid_topk"] = "softmax"
     router_bias: bool = False
+    # Llama-4: each routed expert reads its input scaled by its router weight, expert(x * w), and the
+    # experts' outputs are summed unweighted (SwiGLU is not linear, so this differs from w * expert(x)).
+    expert_input_scaling: bool = False
     # Group-limited routing: a group's score is its best expert's score (DeepSeek-V2) or the sum of
     # its two best (DeepSeek-V3, on the biased scores).
     group_score: Literal["max", "top2_sum"] = "max"
@@ -149,6 +160,18 @@ class ModelConfig:
     # Gated attention (Instella-MoE): the per-head attention output is multiplied by
     # sigmoid(normed input @ W_gate) before o_proj; W_gate [D, H, V] (HF `self_attn.gate_proj`).
     attn_output_gate: bool = False
+    # Llama-4 attention (GQA only). `nope_layers`: layers without RoPE (HF no_rope_layers[i] == 0).
+    # `attention_chunk_size`: the RoPE layers attend only within chunks of that many positions
+    # (causal and pos // chunk equal); the NoPE layers stay full causal. `qk_norm_after_rope`: q and k
+    # RMS-normalised without a weight (eps rms_norm_eps) after RoPE, on the RoPE layers only.
+    # `attn_temperature_tuning`: on the NoPE layers q is multiplied by
+    # 1 + attn_scale * log1p(floor((pos + 1) / floor_scale)).
+    nope_layers: tuple[int, ...] = ()
+    attention_chunk_size: int | None = None
+    qk_norm_after_rope: bool = False
+    attn_temperature_tuning: bool = False
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
     # Auxiliary balance losses of DeepSeek-V2 (expert level, device level); returned, never
     # added by the model itself.
     aux_loss_alpha: float = 0.001
@@ -228,6 +251,14 @@ class ModelConfig:
     def rope_head_dim(self) -> int:
         """Rotary dims per head: MLA's qk_rope_head_dim, GQA's whole head."""
         return self.attn_head_dim if self.attention_kind == "gqa" else self.qk_rope_head_dim
+
+    def uses_rope(self, idx: int) -> bool:
+        """Whether layer `idx` rotates q and k (every layer but `nope_layers`)."""
+        return idx not in self.nope_layers
+
+    def chunked_layer(self, idx: int) -> bool:
+        """Whether layer `idx` attends within `attention_chunk_size` chunks (the RoPE layers)."""
+        return self.attention_chunk_size is not None and self.uses_rope(idx)
 
     def is_moe_layer(self, idx: int) -> bool:
         return (idx >= self.first_k_dense_replace and idx not in self.mlp_only_layers
@@ -333,15 +364,35 @@ class ModelConfig:
                                   f"({self.num_heads}): each key/value head serves a group of query heads")
             if self.attn_head_dim % 2:
                 raise ConfigError(f"model.head_dim must be even (RoPE pairs), got {self.attn_head_dim}")
-            if self.rope_scaling is not None:
+            if self.rope_scaling is not None and self.rope_scaling.type != "llama3":
                 raise ConfigError("model.rope_scaling (YaRN) is implemented as DeepSeek-V2's MLA defines it; "
-                                  "model.attention_kind=gqa supports plain RoPE only (rope_scaling: null)")
+                                  "model.attention_kind=gqa supports plain RoPE or type llama3")
             if self.attn_output_gate:
                 raise ConfigError("model.attn_output_gate is implemented for model.attention_kind=mla only "
                                   "(Instella-MoE)")
-        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
-        if bad:
-            raise ConfigError(f"model.mlp_only_layers: layer {bad[0]} is not in [0, {self.num_layers - 1}]")
+        llama4_attention = {"nope_layers": (), "attention_chunk_size": None, "qk_norm_after_rope": False,
+                            "attn_temperature_tuning": False}
+        for name, default in llama4_attention.items():
+            if self.attention_kind != "gqa" and getattr(self, name) != default:
+                raise ConfigError(f"model.{name}={getattr(self, name)!r} applies to model.attention_kind=gqa "
+                                  "only (Llama-4)")
+        if self.attention_chunk_size is not None and self.attention_chunk_size <= 0:
+            raise ConfigError(f"model.attention_chunk_size must be > 0 or null, got "
+                              f"{self.attention_chunk_size}")
+        if self.floor_scale <= 0:
+            raise ConfigError(f"model.floor_scale must be > 0, got {self.floor_scale}")
+        if self.qk_norm and self.qk_norm_after_rope:
+            raise ConfigError("model.qk_norm (weighted, before RoPE) and model.qk_norm_after_rope (no "
+                              "weight, after RoPE) are exclusive")
+        if self.router_score == "sigmoid_topk" and (self.router_bias or self.routing != "greedy"
+                                                    or self.norm_topk_prob):
+            raise ConfigError("model.router_score=sigmoid_topk chooses on the plain logits and weights by "
+                              "their sigmoid: it needs model.routing=greedy, model.router_bias=false and "
+                              "model.norm_topk_prob=false")
+        for name in ("mlp_only_layers", "nope_layers"):
+            bad = [i for i in getattr(self, name) if not 0 <= i < self.num_layers]
+            if bad:
+                raise ConfigError(f"model.{name}: layer {bad[0]} is not in [0, {self.num_layers - 1}]")
         if self.moe_layer_offset < 0:
             raise ConfigError(f"model.moe_layer_offset must be >= 0, got {self.moe_layer_offset}")
         if self.router_norm_min_k < 1:
@@ -356,7 +407,8 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
         """Builds a config from an HF DeepseekV2 (both rope generations), DeepseekV3 / Instella-MoE
-        (`model_type: deepseek_v3`) or Qwen3-MoE (`model_type: qwen3_moe`) config.json.
+        (`model_type: deepseek_v3`), Qwen3-MoE (`model_type: qwen3_moe`) or Llama-4 (`model_type:
+        llama4_text`, or `llama4` through its `text_config`) config.json.
 
         FarSkip keys (`farskip`, `farskip_start_idx`, `farskip_end_idx`, `attn_only_farskip`,
         `mlp_only_farskip`) are read as Instella-MoE writes them.
@@ -367,7 +419,8 @@ class ModelConfig:
         return from_dict(cls, merged, "model")
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """An HF config.json: Qwen3-MoE for attention_kind gqa, DeepseekV3 (Instella-MoE when the
+        """An HF config.json: Llama-4 (Llama4ForCausalLM) for attention_kind gqa with any Llama-4 field,
+        else Qwen3-MoE for gqa, DeepseekV3 (Instella-MoE when the
         attention is gated) when a field says DeepSeek-V3's router or RoPE layout, else DeepseekV2
         (`hf_config.hf_family`). Raises ConfigError for a config that family's HF class cannot express."""
         from farskip_jax import hf_config

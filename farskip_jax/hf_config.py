@@ -1,9 +1,10 @@
 """HF config.json <-> ModelConfig fields, one reader and one writer per HF family.
 
 `ModelConfig.from_hf_dict` / `to_hf_dict` (farskip_jax/config.py) are the entry points; the family
-is config.json's `model_type` when reading (`qwen3_moe`, `deepseek_v3`, else DeepSeek-V2) and the
-architecture fields when writing (`hf_family`). Instella-MoE is a DeepSeek-V3 (`model_type`
-deepseek_v3, architecture `InstellaMoEForCausalLM`) with gated attention (`gated_attention`).
+is config.json's `model_type` when reading (`llama4_text` / `llama4`, `qwen3_moe`, `deepseek_v3`,
+else DeepSeek-V2) and the architecture fields when writing (`hf_family`). Instella-MoE is a
+DeepSeek-V3 (`model_type` deepseek_v3, architecture `InstellaMoEForCausalLM`) with gated attention
+(`gated_attention`).
 FarSkip settings use Instella-MoE's keys in every family.
 """
 
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
 
 def model_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
     """ModelConfig keyword arguments for an HF config.json (not yet validated)."""
+    if hf.get("model_type") in ("llama4", "llama4_text"):
+        return _llama4_fields(hf)
     if hf.get("model_type") == "qwen3_moe":
         return _qwen3_moe_fields(hf)
     if hf.get("model_type") == "deepseek_v3":
@@ -32,17 +35,27 @@ _V3_FEATURES = {"router_score": "softmax", "router_bias": False, "group_score": 
                 "scale_normalized_weights": False, "attn_output_gate": False, "rope_style": "interleaved"}
 
 
+# Fields whose non-default values only Llama-4's HF class can express (GQA families).
+_LLAMA4_FEATURES = {"router_score": "softmax", "expert_input_scaling": False, "nope_layers": (),
+                    "attention_chunk_size": None, "qk_norm_after_rope": False,
+                    "attn_temperature_tuning": False}
+
+
 def hf_family(cfg: ModelConfig) -> str:
-    """The HF model_type that `cfg` is written as: qwen3_moe for GQA, deepseek_v3 when any field
-    says DeepSeek-V3's router, RoPE layout or Instella's gate, else deepseek_v2."""
+    """The HF model_type that `cfg` is written as: llama4_text for GQA with any of Llama-4's router,
+    expert-input or attention fields, else qwen3_moe for GQA; deepseek_v3 when any field says
+    DeepSeek-V3's router, RoPE layout or Instella's gate, else deepseek_v2."""
     if cfg.attention_kind == "gqa":
+        if any(getattr(cfg, k) != v for k, v in _LLAMA4_FEATURES.items()):
+            return "llama4_text"
         return "qwen3_moe"
     return "deepseek_v3" if any(getattr(cfg, k) != v for k, v in _V3_FEATURES.items()) else "deepseek_v2"
 
 
 def hf_dict(cfg: ModelConfig) -> dict[str, Any]:
     """The HF config.json of `cfg`'s family; ConfigError if that family's HF class cannot express it."""
-    writers = {"qwen3_moe": _qwen3_moe_hf_dict, "deepseek_v3": _deepseek_v3_hf_dict,
+    writers = {"llama4_text": _llama4_hf_dict, "qwen3_moe": _qwen3_moe_hf_dict,
+               "deepseek_v3": _deepseek_v3_hf_dict,
                "deepseek_v2": _deepseek_v2_hf_dict}
     return writers[hf_family(cfg)](cfg)
 
@@ -240,6 +253,105 @@ def _deepseek_v3_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
+def _llama4_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """ModelConfig fields of an HF Llama-4 config.json: `llama4_text` (Llama4ForCausalLM) or `llama4`
+    (Llama4ForConditionalGeneration, whose `text_config` is read; the vision tower is not part of the
+    model), read as transformers' Llama4Text* classes read them (MODEL_FAMILIES.md): MoE layers are
+    `moe_layers`, else every `interleave_moe_layer_step`-th; an empty or absent `no_rope_layers`
+    (1 = uses RoPE) means NoPE on every `no_rope_layer_interval`-th layer; RoPE layers attend in
+    chunks of `attention_chunk_size` (null: full); `attn_temperature_tuning` is read as a truth value,
+    so the published Scout's 4 (an int, which transformers 5.24's own config class refuses) works."""
+    if hf.get("model_type") == "llama4":
+        text = dict(hf.get("text_config") or {})
+        for key in ("tie_word_embeddings", "farskip", "farskip_start_idx", "farskip_end_idx",
+                    "attn_only_farskip", "mlp_only_farskip", "farskip_stale_blocks"):
+            if key in hf and key not in text:
+                text[key] = hf[key]
+        hf = text
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"config.json hidden_act={hf['hidden_act']!r}: only 'silu' is supported")
+    if quant := hf.get("quantization_config"):
+        raise ConfigError(f"config.json quantization_config={quant.get('quant_method')!r}: quantized "
+                          "checkpoints are not supported; dequantize the weights to bf16 first")
+    layers = int(hf.get("num_hidden_layers", 48))
+    step = int(hf.get("interleave_moe_layer_step", 1))
+    moe_layers = hf.get("moe_layers")
+    if moe_layers is None or list(moe_layers) == list(range(step - 1, layers, step)):
+        freq, mlp_only = step, ()
+    else:  # any other list: every layer MoE but the ones it leaves out
+        freq, mlp_only = 1, tuple(i for i in range(layers) if i not in set(moe_layers))
+    interval = int(hf.get("no_rope_layer_interval", 4))
+    no_rope = list(hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)])
+    nope = tuple(i for i in range(layers) if not no_rope[i])
+    chunk = hf.get("attention_chunk_size")
+    expected = ["chunked_attention" if rope and chunk is not None else "full_attention"
+                for rope in no_rope[:layers]]
+    if hf.get("layer_types") is not None and list(hf["layer_types"]) != expected:
+        raise ConfigError(f"config.json layer_types={hf['layer_types']}: only chunked attention on the RoPE "
+                          f"layers (no_rope_layers) is supported, i.e. {expected}")
+    rope_scaling, rope_theta = _rope_from_hf(hf, default_theta=500000.0)
+    heads = hf.get("num_attention_heads", 40)
+    return dict(
+        vocab_size=hf.get("vocab_size", 202048), hidden_size=hf.get("hidden_size", 5120),
+        intermediate_size=hf.get("intermediate_size_mlp", 16384),
+        moe_intermediate_size=hf.get("intermediate_size", 8192), num_layers=layers, num_heads=heads,
+        attention_kind="gqa", num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim"),
+        attention_bias=bool(hf.get("attention_bias", False)), rope_style="interleaved",
+        n_routed_experts=hf.get("num_local_experts", 16), n_shared_experts=1,
+        num_experts_per_tok=hf.get("num_experts_per_tok", 1), first_k_dense_replace=0,
+        moe_layer_freq=freq, moe_layer_offset=1, mlp_only_layers=mlp_only, routing="greedy",
+        routed_scaling_factor=1.0, norm_topk_prob=False, router_score="sigmoid_topk",
+        expert_input_scaling=True, nope_layers=nope, attention_chunk_size=chunk,
+        qk_norm_after_rope=bool(hf.get("use_qk_norm", True)),
+        attn_temperature_tuning=bool(hf.get("attn_temperature_tuning", True)),
+        floor_scale=float(hf.get("floor_scale", 8192)), attn_scale=float(hf.get("attn_scale", 0.1)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)), rope_theta=rope_theta, rope_scaling=rope_scaling,
+        max_position_embeddings=hf.get("max_position_embeddings", 4096 * 32),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        aux_loss_alpha=float(hf.get("router_aux_loss_coef", 0.001)), seq_aux=False,
+        farskip=_farskip_from_hf(hf))
+
+
+_LLAMA4_FIXED = {"rope_style": "interleaved", "n_shared_experts": 1, "first_k_dense_replace": 0,
+                 "moe_layer_offset": 1, "routing": "greedy", "routed_scaling_factor": 1.0,
+                 "router_score": "sigmoid_topk", "router_bias": False, "expert_input_scaling": True,
+                 "qk_norm": False, "norm_topk_prob": False}
+
+
+def _llama4_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """An HF Llama4ForCausalLM (`llama4_text`) config.json; the inverse of `_llama4_fields`. The MoE
+    layers are written both ways (`interleave_moe_layer_step` and the `moe_layers` it implies, which
+    HF reads first)."""
+    _require(cfg, _LLAMA4_FIXED, "Llama4Text")
+    if cfg.rope_scaling is not None and cfg.rope_scaling.type != "llama3":
+        raise ConfigError("this config cannot be written as a Llama4Text config.json: rope_scaling type "
+                          f"{cfg.rope_scaling.type!r} (Llama-4 has llama3 or none)")
+    chunk = cfg.attention_chunk_size
+    return {
+        "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.moe_intermediate_size, "intermediate_size_mlp": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.attn_head_dim,
+        "num_local_experts": cfg.n_routed_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
+        "interleave_moe_layer_step": cfg.moe_layer_freq,
+        "moe_layers": [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)],
+        "no_rope_layers": [int(cfg.uses_rope(i)) for i in range(cfg.num_layers)],
+        "attention_chunk_size": chunk,
+        "layer_types": ["chunked_attention" if cfg.chunked_layer(i) else "full_attention"
+                        for i in range(cfg.num_layers)],
+        "use_qk_norm": cfg.qk_norm_after_rope, "attn_temperature_tuning": cfg.attn_temperature_tuning,
+        "floor_scale": int(cfg.floor_scale) if float(cfg.floor_scale).is_integer() else cfg.floor_scale,
+        "attn_scale": cfg.attn_scale, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": _rope_to_hf(cfg), "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "hidden_act": "silu",
+        "attention_bias": cfg.attention_bias, "router_aux_loss_coef": cfg.aux_loss_alpha,
+        "dtype": "bfloat16" if cfg.param_dtype == "bfloat16" else "float32",
+        **_farskip_hf_keys(cfg),
+    }
+
+
 # ---- shared by all families -----------------------------------------------------------------
 
 
@@ -275,25 +387,36 @@ def _require(cfg: ModelConfig, fixed: Mapping[str, Any], family: str) -> None:
 
 
 def _rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    """transformers 5 `rope_parameters` of `cfg` (default or YaRN)."""
+    """transformers 5 `rope_parameters` of `cfg` (default, YaRN or llama3)."""
     if cfg.rope_scaling is None:
         return {"rope_theta": cfg.rope_theta, "rope_type": "default"}
     rs = cfg.rope_scaling
+    if rs.type == "llama3":
+        return {"rope_theta": cfg.rope_theta, "rope_type": "llama3", "factor": rs.factor,
+                "low_freq_factor": rs.low_freq_factor, "high_freq_factor": rs.high_freq_factor,
+                "original_max_position_embeddings": rs.original_max_position_embeddings}
     return {"rope_theta": cfg.rope_theta, "rope_type": "yarn", "factor": rs.factor,
             "original_max_position_embeddings": rs.original_max_position_embeddings,
             "beta_fast": rs.beta_fast, "beta_slow": rs.beta_slow, "mscale": rs.mscale,
             "mscale_all_dim": rs.mscale_all_dim}
 
 
-def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[RopeScaling | None, float]:
-    """Reads `rope_scaling` (published DeepSeek-V2) or `rope_parameters` (transformers 5)."""
+def _rope_from_hf(hf: Mapping[str, Any], default_theta: float = 10000.0) -> tuple[RopeScaling | None, float]:
+    """Reads `rope_scaling` (published DeepSeek-V2, Llama-4) or `rope_parameters` (transformers 5)."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = float(params.get("rope_theta", hf.get("rope_theta", default_theta)))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in (None, "default"):
         return None, theta
+    if kind == "llama3":
+        return RopeScaling(
+            type="llama3", factor=float(params["factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"])), theta
     if kind != "yarn":
-        raise ConfigError(f"config.json rope type {kind!r} is not supported; allowed: 'default', 'yarn'")
+        raise ConfigError(f"config.json rope type {kind!r} is not supported; allowed: 'default', 'yarn', "
+                          "'llama3'")
     return RopeScaling(
         factor=float(params["factor"]),
         original_max_position_embeddings=int(params["original_max_position_embeddings"]),

@@ -22,7 +22,8 @@ YAMLS = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
 def test_configs_exist():
     assert {"tiny", "tiny_farskip", "dsv2lite", "dsv2lite_farskip", "qwen3_30b_a3b",
-            "qwen3_30b_a3b_farskip", "deepseek_v3", "deepseek_v3_farskip", "instella_moe"} <= set(YAMLS)
+            "qwen3_30b_a3b_farskip", "deepseek_v3", "deepseek_v3_farskip", "instella_moe",
+            "llama4_scout", "llama4_scout_farskip"} <= set(YAMLS)
 
 
 @pytest.mark.parametrize("name", YAMLS)

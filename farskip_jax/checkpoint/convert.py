@@ -1,4 +1,5 @@
-"""HF DeepSeek-V2 / Qwen3-MoE -> Orbax conversion, streamed one group at a time (reading it back: `orbax_io`).
+"""HF DeepSeek-V2/V3 / Qwen3-MoE / Llama-4 -> Orbax conversion, streamed one group at a time (reading it
+back: `orbax_io`).
 
 Layout of a converted directory (detected by `farskip_checkpoint.json`, marker version 2):
 
@@ -368,14 +369,16 @@ def convert_hf_to_orbax(input_dir: str | Path, output_dir: str | Path, *, dtype:
                         mesh: dict[str, int] | None = None, overrides: dict[str, Any] | None = None,
                         dry_run: bool = False, overwrite: bool = False, progress: bool = True,
                         compress: bool = False, log: Callable[[str], None] = print) -> Summary:
-    """Validates an HF DeepSeek-V2/V3, Instella-MoE or Qwen3-MoE directory, then writes it as a farskip
-    Orbax checkpoint (DeepSeek-V3's multi-token-prediction layers are skipped, with a message;
+    """Validates an HF DeepSeek-V2/V3, Instella-MoE, Qwen3-MoE or Llama-4 directory, then writes it as a
+    farskip Orbax checkpoint (DeepSeek-V3's multi-token-prediction layers and Llama-4's vision tower
+    are skipped, with a message;
     `compress`: zstd, about 10% smaller for bf16 weights and CPU-bound)."""
     src, out = Path(input_dir), Path(output_dir)
     base_cfg = config_from_dir(src)
     source = TensorSource(src)
-    if (msg := source.skip_mtp_layers(base_cfg.num_layers)) is not None:
-        log(msg)
+    for msg in (source.skip_mtp_layers(base_cfg.num_layers), source.skip_vision()):
+        if msg is not None:
+            log(msg)
     specs = param_specs(base_cfg)
     raise_problems(f"HF checkpoint {src}", source_errors(source, base_cfg, specs))
     dtype = resolve_dtype(source, specs, parse_dtype(dtype))
@@ -384,7 +387,7 @@ def convert_hf_to_orbax(input_dir: str | Path, output_dir: str | Path, *, dtype:
     raise_problems("the output", output_errors(out, overwrite, [src]))
     groups = group_specs(specs)
     itemsize = np_dtype(dtype).itemsize
-    summary = Summary(tensors=sum(len(s.hf_keys) for s in specs),
+    summary = Summary(tensors=len(hf_key_index(specs)),
                       params=sum(int(np.prod(s.shape)) for s in specs))
     total = summary.params * itemsize
     if dry_run:

@@ -82,6 +82,7 @@ class TensorSource:
             raise CheckpointError(f"{self.dir}: no *.safetensors, model.safetensors.index.json or "
                                   "pytorch_model*.bin files")
         self._bin_cache: tuple[Path, dict] | None = None
+        self._stored: dict[str, str] = {}  # our key -> the name in the file, where they differ
 
     def _header(self, f: Path) -> tuple[int, dict]:
         # Parsed once per file: a DSV2-Lite shard lists thousands of tensors.
@@ -92,9 +93,10 @@ class TensorSource:
     def _st_entry(self, key: str) -> tuple[Path, int, dict]:
         f = self.key_to_file[key]
         start, header = self._header(f)
-        if key not in header:
-            raise CheckpointError(f"{f}: tensor {key!r} is listed in the index but not in the file")
-        return f, start, header[key]
+        stored = self._stored.get(key, key)
+        if stored not in header:
+            raise CheckpointError(f"{f}: tensor {stored!r} is listed in the index but not in the file")
+        return f, start, header[stored]
 
     def _add(self, key: str, f: Path) -> None:
         if key in self.key_to_file:
@@ -132,11 +134,39 @@ class TensorSource:
                 f"(model.layers.{num_layers}..{num_layers + n - 1}, num_nextn_predict_layers={n}): they are "
                 "not part of the model")
 
+    def skip_vision(self) -> str | None:
+        """A Llama4ForConditionalGeneration checkpoint read as its language model: the tensors under
+        `language_model.` (or transformers 5's `model.language_model.`) take Llama4ForCausalLM's names
+        (`model.*`, `lm_head.weight`), and the vision tower's and projector's are forgotten. Returns a
+        message saying how many were skipped, or None for a text-only checkpoint."""
+        renames = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                   ("model.language_model.", "model."))
+        vision = ("vision_model.", "multi_modal_projector.", "model.vision_model.",
+                  "model.multi_modal_projector.")
+        if not any(k.startswith(tuple(old for old, _ in renames)) for k in self.key_to_file):
+            return None
+        skipped = [k for k in self.key_to_file if k.startswith(vision)]
+        key_to_file: dict[str, Path] = {}
+        for key, f in self.key_to_file.items():
+            if key.startswith(vision):
+                continue
+            ours = next((new + key[len(old):] for old, new in renames if key.startswith(old)), key)
+            if ours in key_to_file:
+                raise CheckpointError(f"tensor {key!r} and another tensor both name {ours!r}")
+            key_to_file[ours] = f
+            if ours != key:
+                self._stored[ours] = self._stored.get(key, key)
+        self.key_to_file = key_to_file
+        return (f"{self.dir}: read as a text model (language_model.* tensors); skipped {len(skipped)} "
+                "tensors "
+                "of the vision tower and projector (vision_model.*, multi_modal_projector.*): they are not "
+                "part of the model")
+
     def shape(self, key: str) -> tuple[int, ...]:
         f = self.key_to_file[key]
         if f.suffix == ".safetensors":
             return tuple(self._st_entry(key)[2]["shape"])
-        return tuple(self._bin(f)[key].shape)
+        return tuple(self._bin(f)[self._stored.get(key, key)].shape)
 
     def dtype_name(self, key: str) -> str:
         """numpy-style name: float32, bfloat16, float16, int64, ..."""
@@ -144,7 +174,7 @@ class TensorSource:
         if f.suffix == ".safetensors":
             tag = self._st_entry(key)[2]["dtype"]
             return ST_DTYPES.get(tag, tag)
-        return str(self._bin(f)[key].dtype).replace("torch.", "")
+        return str(self._bin(f)[self._stored.get(key, key)].dtype).replace("torch.", "")
 
     def read(self, key: str) -> np.ndarray:
         """One tensor as numpy (bfloat16 via ml_dtypes), bit-exact."""
@@ -163,7 +193,7 @@ class TensorSource:
             if arr.size != count:
                 raise CheckpointError(f"{f}: tensor {key!r} is truncated")
             return arr.reshape(entry["shape"])
-        return _torch_to_numpy(self._bin(f)[key])
+        return _torch_to_numpy(self._bin(f)[self._stored.get(key, key)])
 
     def _bin(self, f: Path) -> dict:
         if self._bin_cache is None or self._bin_cache[0] != f:

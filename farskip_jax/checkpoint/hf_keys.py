@@ -1,4 +1,5 @@
-"""The one table between HF tensor names (DeepseekV2/V3, Instella-MoE, Qwen3-MoE) and our NNX parameter paths.
+"""The one table between HF tensor names (DeepseekV2/V3, Instella-MoE, Qwen3-MoE, Llama-4) and our NNX
+parameter paths.
 
 Each `ParamSpec` names one parameter of our model, the HF tensor(s) it comes from, and the
 exact layout transforms in both directions. Routed experts are one stacked [E, ...] array
@@ -7,6 +8,8 @@ weights as [out, in]; we store [in, out] and split head dimensions out ([D, H, K
 families share every name but the attention's (`_mla_specs`, `_gqa_specs`, chosen by
 `ModelConfig.attention_kind`); Qwen3-MoE has no shared experts and no `lm_head` when tied;
 DeepSeek-V3 adds the router's `e_score_correction_bias`, Instella-MoE the attention `gate_proj`.
+Llama-4 names its FFN `feed_forward` and stores each MoE layer's experts as two fused tensors
+(`_llama4_moe_specs`): our w_gate and w_up are the two halves of one HF tensor (`ParamSpec.fused`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ class ParamSpec:
     hf_shape: tuple[int, ...]  # shape of each HF tensor
     to_ours: Callable[[list[np.ndarray]], np.ndarray]
     to_hf: Callable[[np.ndarray], list[np.ndarray]]
+    # (part, parts): this parameter is part `part` of `parts` equal slices of the one HF tensor's last
+    # axis (Llama-4's fused gate_up_proj: gate, then up). `to_hf` gives the part; writers join the
+    # parts in order (`join_fused`).
+    fused: tuple[int, int] | None = None
 
     @property
     def name(self) -> str:
@@ -68,14 +75,26 @@ def _stacked(d_in, d_out):
                 hf_shape=(d_out, d_in))
 
 
+def _fused_part(hf_shape, part, parts):
+    """Part `part` of `parts` equal slices of the HF tensor's last axis <-> ours (same layout)."""
+    width = hf_shape[-1] // parts
+    return dict(to_ours=lambda ts: ts[0][..., part * width:(part + 1) * width], to_hf=lambda a: [a],
+                hf_shape=hf_shape, fused=(part, parts))
+
+
 def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
-    """Every parameter of the model for `cfg`, in a stable order."""
+    """Every parameter of the model for `cfg`, in a stable order (the parts of a fused HF tensor
+    next to each other)."""
+    from farskip_jax.hf_config import hf_family
+
     d, e = cfg.hidden_size, cfg.n_routed_experts
     specs: list[ParamSpec] = []
 
     def add(path, shape, key, t):
         keys = tuple(key) if isinstance(key, list) else (key,)
         specs.append(ParamSpec(path=path, shape=tuple(shape), hf_keys=keys, **t))
+
+    llama4 = hf_family(cfg) == "llama4_text"
 
     add(("embed",), (cfg.vocab_size, d), "model.embed_tokens.weight", _same((cfg.vocab_size, d)))
     for i in range(cfg.num_layers):
@@ -87,8 +106,10 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
             _gqa_specs(cfg, a, A, add)
         else:
             _mla_specs(cfg, a, A, add)
-        m = f"{p}.mlp"
-        if cfg.is_moe_layer(i):
+        m = f"{p}.feed_forward" if llama4 else f"{p}.mlp"
+        if llama4 and cfg.is_moe_layer(i):
+            _llama4_moe_specs(cfg, m, L + ("moe",), add)
+        elif cfg.is_moe_layer(i):
             f, M = cfg.moe_intermediate_size, L + ("moe",)
             add(M + ("router",), (d, e), f"{m}.gate.weight", _linear(d, e))
             if cfg.router_bias:
@@ -109,6 +130,47 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
     if not cfg.tie_word_embeddings:
         add(("lm_head",), (d, cfg.vocab_size), "lm_head.weight", _linear(d, cfg.vocab_size))
     return specs
+
+
+def _llama4_moe_specs(cfg: ModelConfig, m: str, M: Path, add: Callable) -> None:
+    """Llama-4's MoE block under `m` (`model.layers.N.feed_forward`): `router`, the experts fused on
+    disk (`experts.gate_up_proj` [E, D, 2F], gate first; `experts.down_proj` [E, F, D], both already
+    [in, out] per expert) and one `shared_expert`."""
+    d, e, f = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+    add(M + ("router",), (d, e), f"{m}.router.weight", _linear(d, e))
+    for part, ours in enumerate(("w_gate", "w_up")):
+        add(M + ("experts", ours), (e, d, f), f"{m}.experts.gate_up_proj",
+            _fused_part((e, d, 2 * f), part, 2))
+    add(M + ("experts", "w_down"), (e, f, d), f"{m}.experts.down_proj", _same((e, f, d)))
+    fs = f * cfg.n_shared_experts
+    for ours, (di, do) in (("gate_proj", (d, fs)), ("up_proj", (d, fs)), ("down_proj", (fs, d))):
+        add(M + ("shared", ours), (di, do), f"{m}.shared_expert.{ours}.weight", _linear(di, do))
+
+
+def hf_entries(specs: list[ParamSpec]) -> list[tuple[str, tuple[int, ...]]]:
+    """(HF key, HF shape) of every tensor `specs` write, in the order they are complete: a fused
+    tensor once, at its last part."""
+    return [(k, s.hf_shape) for s in specs if s.fused is None or s.fused[0] == s.fused[1] - 1
+            for k in s.hf_keys]
+
+
+class FusedJoin:
+    """Collects the parts of fused HF tensors as they arrive; `add` returns the HF tensors complete."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, list[np.ndarray | None]] = {}
+
+    def add(self, spec: ParamSpec, tensors: list[np.ndarray]) -> list[tuple[str, np.ndarray]]:
+        if spec.fused is None:
+            return list(zip(spec.hf_keys, tensors, strict=True))
+        part, parts = spec.fused
+        (key,) = spec.hf_keys
+        got = self.parts.setdefault(key, [None] * parts)
+        got[part] = tensors[0]
+        if any(t is None for t in got):
+            return []
+        del self.parts[key]
+        return [(key, np.concatenate(got, axis=-1))]
 
 
 def _mla_specs(cfg: ModelConfig, a: str, A: Path, add: Callable) -> None:

@@ -106,8 +106,9 @@ def hf_array(source: TensorSource, spec: ParamSpec, sharding: jax.sharding.Shard
 def read_hf_params(path: str | Path, cfg: ModelConfig, shardings: Any, dtype: Any) -> dict:
     """Every parameter of `cfg` from the HF directory `path` as a pure dict of sharded jax.Arrays."""
     source = TensorSource(path)
-    if (msg := source.skip_mtp_layers(cfg.num_layers)) is not None:
-        log.warning(msg)
+    for msg in (source.skip_mtp_layers(cfg.num_layers), source.skip_vision()):
+        if msg is not None:
+            log.warning(msg)
     specs = param_specs(cfg)
     check_tensors(source, specs)
     fn = orbax_io.sharding_fn(shardings, cfg)

@@ -1,4 +1,4 @@
-"""Orbax -> HF DeepSeek-V2/V3 (Instella-MoE) / Qwen3-MoE: size-limited safetensors shards written as
+"""Orbax -> HF DeepSeek-V2/V3 (Instella-MoE) / Qwen3-MoE / Llama-4: size-limited safetensors shards written as
 the parameters stream by.
 
 Inputs: a directory written by `convert_hf_to_orbax` (marker `farskip_checkpoint.json`), or a
@@ -8,7 +8,7 @@ pure dict (the same tree as `nnx.to_pure_dict(nnx.state(model, nnx.Param))`) sav
 Orbax PyTree, and item "meta" is a JSON item whose `model_config` (or `model`, or `config.model`)
 holds our ModelConfig as a dict (an HF config.json dict is accepted as well). Only "params" is read.
 
-A FarSkip model is exported with `modeling_farskip_{deepseek_v2,deepseek_v3,qwen3_moe}.py`
+A FarSkip model is exported with `modeling_farskip_{deepseek_v2,deepseek_v3,qwen3_moe,llama4}.py`
 (this package's remote code for transformers) registered in config.json, so that transformers runs
 FarSkip with trust_remote_code.
 
@@ -44,7 +44,7 @@ from farskip_jax.checkpoint.convert import (
     progress_bar,
 )
 from farskip_jax.checkpoint.hf_io import CheckpointError, np_dtype
-from farskip_jax.checkpoint.hf_keys import ParamSpec, param_specs
+from farskip_jax.checkpoint.hf_keys import FusedJoin, ParamSpec, hf_entries, param_specs
 from farskip_jax.checkpoint.orbax_io import (
     MARKER,
     PARAMS_ITEM,
@@ -223,7 +223,7 @@ def convert_orbax_to_hf(input_dir: str | Path, output_dir: str | Path, *, dtype:
     groups = group_specs(specs)
     itemsize = np_dtype(out_dtype).itemsize
     # Planned in the order the groups are read, which is the order tensors reach the writer.
-    entries = [(k, s.hf_shape) for g in groups for s in g.specs for k in s.hf_keys]
+    entries = hf_entries([s for g in groups for s in g.specs])
     shards = plan_shards(entries, itemsize, parse_size(max_shard_size))
     summary = Summary(tensors=len(entries), params=sum(int(np.prod(s.shape)) for s in specs))
     total = summary.params * itemsize
@@ -245,9 +245,10 @@ def convert_orbax_to_hf(input_dir: str | Path, output_dir: str | Path, *, dtype:
                 tree = pending.result()
                 if gi + 1 < len(groups):
                     pending = pool.submit(reader.read, groups[gi + 1])
+                fused = FusedJoin()  # a fused tensor's parts are in one group
                 for spec in group.specs:
                     arr = np.asarray(nest_get(tree, spec.path)).astype(np_dtype(out_dtype), copy=False)
-                    for key, t in zip(spec.hf_keys, spec.to_hf(arr), strict=True):
+                    for key, t in fused.add(spec, spec.to_hf(arr)):
                         if writer.done:
                             writer.close()
                             shard_i += 1
@@ -287,6 +288,7 @@ REMOTE_CODE = {
     "qwen3_moe": (_HERE / "modeling_farskip_qwen3_moe.py", "FarSkipQwen3MoeForCausalLM"),
     # DeepSeek-V3 and Instella-MoE (its gated attention included).
     "deepseek_v3": (_HERE / "modeling_farskip_deepseek_v3.py", "FarSkipDeepseekV3ForCausalLM"),
+    "llama4_text": (_HERE / "modeling_farskip_llama4.py", "FarSkipLlama4ForCausalLM"),
 }
 
 

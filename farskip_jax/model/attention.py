@@ -84,7 +84,9 @@ LATENT_NORM_EPS = 1e-6
 
 
 class MLAttention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layer: int = 0):
+        """`layer` is unused: every MLA layer is alike (GQAttention's interface)."""
+        del layer
         pd = DTYPES[cfg.param_dtype]
         d, h = cfg.hidden_size, cfg.num_heads
         if cfg.q_lora_rank is None:

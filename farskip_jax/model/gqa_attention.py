@@ -1,4 +1,6 @@
-"""Grouped-query attention (GQA) of Qwen3-MoE: per-head q/k RMSNorm before RoPE, optional biases.
+"""Grouped-query attention (GQA) of Qwen3-MoE (per-head q/k RMSNorm before RoPE, optional biases) and
+Llama-4 (NoPE layers with temperature tuning, chunked attention and weightless q/k norm after RoPE
+on the RoPE layers).
 
 Selected by `ModelConfig.attention_kind == "gqa"` (model/transformer.py `DecoderLayer`); the
 interface is MLAttention's, so the layer recurrence, the blockwise attention core and the
@@ -45,8 +47,25 @@ class KVCache(NamedTuple):
                        self.v.at[rows, positions_bt].set(v_btgk.astype(self.v.dtype)))
 
 
+def chunk_segments(segment_ids_bt: jax.Array, positions_bt: jax.Array, chunk: int, max_positions: int
+                   ) -> jax.Array:
+    """Segment ids under which "same segment" means same document AND same attention chunk
+    (pos // chunk): with the causal mask, Llama-4's chunked attention. Unique while positions stay
+    below `max_positions` (the config's max_position_embeddings)."""
+    per_segment = -(-max_positions // chunk)
+    return segment_ids_bt * per_segment + positions_bt // chunk
+
+
+def rms_unit(x: jax.Array, eps: float) -> jax.Array:
+    """RMS normalisation without a weight, in fp32 (Llama-4's q/k norm)."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
 class GQAttention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layer: int = 0):
+        """`layer`: this layer's index, which decides Llama-4's per-layer features (RoPE or NoPE,
+        chunked or full, q/k norm, temperature tuning; `ModelConfig.uses_rope`, `chunked_layer`)."""
         pd = DTYPES[cfg.param_dtype]
         d, h, g, k = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.attn_head_dim
         self.q_proj = normal_init(rngs, (d, h, k), pd)
@@ -66,6 +85,10 @@ class GQAttention(nnx.Module):
                               "no segment ids, so packed documents would need a dense [T, T] mask; use "
                               "model.attention=blockwise (or auto)")
         self.cfg = cfg
+        self.use_rope = cfg.uses_rope(layer)
+        self.chunk = cfg.attention_chunk_size if cfg.chunked_layer(layer) else None
+        self.unit_qk_norm = cfg.qk_norm_after_rope and self.use_rope
+        self.temperature_tuning = cfg.attn_temperature_tuning and not self.use_rope
 
     def _project(self, x_btd: jax.Array, positions_bt: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(q [B, T, H, K], k [B, T, G, K], v [B, T, G, K]), q and k normed per head and rotated."""
@@ -78,9 +101,16 @@ class GQAttention(nnx.Module):
         q, k, v = proj(self.q_proj, "q_bias"), proj(self.k_proj, "k_bias"), proj(self.v_proj, "v_bias")
         if cfg.qk_norm:  # over head_dim, before RoPE (HF Qwen3MoeAttention)
             q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq, magnitude = rope_tables(cfg)
-        q = apply_rope(q, positions_bt, inv_freq, magnitude, cfg.rope_style)
-        k = apply_rope(k, positions_bt, inv_freq, magnitude, cfg.rope_style)
+        if self.use_rope:
+            inv_freq, magnitude = rope_tables(cfg)
+            q = apply_rope(q, positions_bt, inv_freq, magnitude, cfg.rope_style)
+            k = apply_rope(k, positions_bt, inv_freq, magnitude, cfg.rope_style)
+        if self.unit_qk_norm:  # Llama-4: no weight, after RoPE
+            q, k = rms_unit(q, cfg.rms_norm_eps), rms_unit(k, cfg.rms_norm_eps)
+        if self.temperature_tuning:  # Llama-4's NoPE layers: a longer reach sharpens the softmax
+            pos = positions_bt.astype(jnp.float32)
+            temp = jnp.log1p(jnp.floor((pos + 1.0) / cfg.floor_scale)) * cfg.attn_scale + 1.0
+            q = (q.astype(jnp.float32) * temp[:, :, None, None]).astype(q.dtype)
         return q, k, v
 
     def _out(self, ctx_bthk: jax.Array) -> jax.Array:
@@ -99,6 +129,9 @@ class GQAttention(nnx.Module):
             # Each key/value head repeated for its query heads (HF's repeat_kv order): the core
             # then sees equal head counts.
             k_heads, v_heads = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+        if self.chunk is not None:
+            segment_ids_bt = chunk_segments(segment_ids_bt, positions_bt, self.chunk,
+                                            cfg.max_position_embeddings)
         with jax.named_scope("core"):
             ctx = attention_core(q, k_heads, v_heads, segment_ids_bt, softmax_scale(cfg), cfg.attention,
                                  cfg.attention_block_q, cfg.attention_block_kv)
@@ -123,6 +156,8 @@ class GQAttention(nnx.Module):
                                 preferred_element_type=jnp.float32) * softmax_scale(self.cfg)
             slots = jnp.arange(keys.shape[1], dtype=positions_bt.dtype)
             visible = slots[None, None, :] <= positions_bt[:, :, None]  # [B, T, S]
+            if self.chunk is not None:  # chunked layer: the query's own chunk only
+                visible &= slots[None, None, :] // self.chunk == positions_bt[:, :, None] // self.chunk
             scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
             probs = jax.nn.softmax(scores, axis=-1).astype(dt)
             ctx = jnp.einsum("bgrts,bsgk->btgrk", probs, values).reshape(b, t, h, kd)

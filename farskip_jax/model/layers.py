@@ -1,4 +1,5 @@
-"""Small building blocks: RMSNorm, (YaRN) rotary embedding (interleaved or rotate-half), SwiGLU MLP.
+"""Small building blocks: RMSNorm, rotary embedding (interleaved or rotate-half; YaRN or Llama 3.1
+scaling), SwiGLU MLP.
 
 Shape legend: B batch, T tokens (sequence), D model width, F MLP width, R rotary dims.
 Weights are stored `[in, out]`; parameters live in `param_dtype`, math runs in `dtype`.
@@ -78,13 +79,32 @@ def _yarn_inv_freq(dim: int, base: float, rs: RopeScaling) -> jnp.ndarray:
     return interpolation * (1.0 - keep_extrapolated) + extrapolation * keep_extrapolated
 
 
+def _llama3_inv_freq(inv_freq: jnp.ndarray, rs: RopeScaling) -> jnp.ndarray:
+    """Llama 3.1's bands: wavelengths shorter than original / high_freq_factor keep their frequency,
+    longer than original / low_freq_factor are divided by `factor`, and the band between blends the
+    two linearly in original / wavelength."""
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+    if rs.high_freq_factor == rs.low_freq_factor:  # no band between
+        return scaled
+    blend = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - blend) * scaled / rs.factor + blend * scaled
+    between = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(between, smoothed, scaled)
+
+
 def rope_tables(cfg: ModelConfig) -> tuple[jnp.ndarray, float]:
     """Inverse frequencies for the rotary dims and the cos/sin magnitude (YaRN's mscale ratio)."""
     dim = cfg.rope_head_dim
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
     if cfg.rope_scaling is None:
-        inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
         return inv, 1.0
     rs = cfg.rope_scaling
+    if rs.type == "llama3":
+        return _llama3_inv_freq(inv, rs), 1.0
     magnitude = yarn_mscale(rs.factor, rs.mscale) / yarn_mscale(rs.factor, rs.mscale_all_dim)
     if not (rs.mscale and rs.mscale_all_dim):
         magnitude = yarn_mscale(rs.factor)

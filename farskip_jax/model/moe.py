@@ -1,4 +1,5 @@
-"""The MoE block (DeepSeek-V2/V3, Qwen3-MoE without shared experts): router, shared experts, routed experts.
+"""The MoE block (DeepSeek-V2/V3, Qwen3-MoE without shared experts, Llama-4 with expert-input scaling):
+router, shared experts, routed experts.
 
 Shape legend: N tokens (batch x sequence, flattened), D model width, F expert width, E experts
 (local experts under expert/tensor parallelism), K experts per token.
@@ -38,12 +39,20 @@ class Routing:
 
 def route(x_nd: jax.Array, router_de: jax.Array, cfg: ModelConfig, seq_len: int,
           bias_e: jax.Array | None = None) -> Routing:
-    """The router in fp32: scores (softmax, or sigmoid for DeepSeek-V3), experts chosen by greedy or
+    """The router in fp32: scores (softmax, or sigmoid for DeepSeek-V3; Llama-4's `sigmoid_topk` chooses
+    on the logits and weights by their sigmoid), experts chosen by greedy or
     group-limited top-k on the scores plus `bias_e` (DeepSeek-V3's correction bias; choice only),
     combine weights gathered from the unbiased scores, renormalised (`norm_topk_prob`, from
     top-`router_norm_min_k` up) and/or scaled by `routed_scaling_factor` (after renormalising only
     when `scale_normalized_weights`), and the balance losses."""
     logits = jnp.dot(x_nd.astype(jnp.float32), router_de.astype(jnp.float32))
+    if cfg.router_score == "sigmoid_topk":  # Llama-4: top-k of the logits, sigmoid of the kept ones
+        top_logits, experts = jax.lax.top_k(logits, cfg.num_experts_per_tok)
+        weights = jax.nn.sigmoid(top_logits) * cfg.routed_scaling_factor
+        scores = jax.nn.sigmoid(logits)
+        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+        aux = balance_losses(probs, experts, cfg, seq_len)
+        return Routing(weights, experts.astype(jnp.int32), aux, seq_len)
     if cfg.router_score == "sigmoid":
         scores = jax.nn.sigmoid(logits)
     else:
@@ -128,6 +137,21 @@ def local_routed(x_nd: jax.Array, routing: Routing, experts: RoutedExperts,
     return routed, dropped
 
 
+def scaled_assignments(x_nd: jax.Array, routing: Routing, cfg: ModelConfig
+                       ) -> tuple[jax.Array, Routing, ModelConfig]:
+    """Llama-4's expert(x * w) as plain top-1 routing: each (token, choice) becomes a row x * w of its
+    own [N*K, D] with one expert and weight 1, so every routed path (one device, expert and tensor
+    parallel) runs it unchanged; the caller sums each token's K outputs. A sequence's rows stay
+    contiguous (T*K of them), so capacity stays per sequence: ceil(cf * T*K / E) rows per expert, as
+    for the unexpanded tokens (ties among the rows of an expert are dropped in token order, since
+    the weights are all 1)."""
+    n, k = routing.experts_nk.shape
+    rows = (x_nd[:, None, :] * routing.weights_nk[..., None].astype(x_nd.dtype)).reshape(n * k, -1)
+    ones = jnp.ones((n * k, 1), routing.weights_nk.dtype)
+    flat = Routing(ones, routing.experts_nk.reshape(n * k, 1), routing.aux, routing.seq_len * k)
+    return rows, flat, dataclasses.replace(cfg, num_experts_per_tok=1)
+
+
 class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.router = normal_init(rngs, (cfg.hidden_size, cfg.n_routed_experts), DTYPES[cfg.param_dtype])
@@ -157,13 +181,22 @@ class MoE(nnx.Module):
                 with jax.named_scope("shared"):
                     return mlp(h_nd.reshape(b, t, d)).reshape(b * t, d)
 
+        routed_in, routed_routing, routed_cfg = x_nd, routing, self.cfg
+        if self.cfg.expert_input_scaling:
+            routed_in, routed_routing, routed_cfg = scaled_assignments(x_nd, routing, self.cfg)
+            if shared_fn is not None:  # the shared expert reads the unscaled tokens
+                unscaled_shared = shared_fn
+                shared_fn = lambda _rows: unscaled_shared(x_nd)  # noqa: E731
         scheduler = getattr(routed_fn, "__self__", None)
         if shared_fn is not None and hasattr(scheduler, "routed_with_shared"):
-            routed, dropped, shared = scheduler.routed_with_shared(x_nd, routing, self.experts, self.cfg,
-                                                                   shared_fn)
+            routed, dropped, shared = scheduler.routed_with_shared(routed_in, routed_routing, self.experts,
+                                                                   routed_cfg, shared_fn)
         else:
-            routed, dropped = routed_fn(x_nd, routing, self.experts, self.cfg)
+            routed, dropped = routed_fn(routed_in, routed_routing, self.experts, routed_cfg)
             shared = None if shared_fn is None else shared_fn(x_nd)
+        if self.cfg.expert_input_scaling:  # the K assignments of a token back together
+            routed = jnp.sum(routed.reshape(b * t, self.cfg.num_experts_per_tok, d).astype(jnp.float32),
+                             axis=1).astype(routed.dtype)
         if shared is not None:
             shared = shared.reshape(b, t, d)
         return shared, routed.reshape(b, t, d), {**routing.aux, "dropped_fraction": dropped}

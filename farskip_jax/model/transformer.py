@@ -1,4 +1,4 @@
-"""The decoder (DeepSeek-V2/V3, Instella-MoE, Qwen3-MoE): embedding, layer stack wired by
+"""The decoder (DeepSeek-V2/V3, Instella-MoE, Qwen3-MoE, Llama-4): embedding, layer stack wired by
 `residual_step`, final norm, LM head. The attention module comes from `ModelConfig.attention_kind`
 (`attention_module`).
 
@@ -66,7 +66,7 @@ class DecoderLayer(nnx.Module):
         pd = DTYPES[cfg.param_dtype]
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
-        self.attn = attention_module(cfg)(cfg, rngs)
+        self.attn = attention_module(cfg)(cfg, rngs, layer=idx)
         self.is_moe = cfg.is_moe_layer(idx)
         self.tp_order_barriers = cfg.tp_order_barriers
         self.batch_split_stagger = cfg.batch_split_stagger
@@ -347,11 +347,14 @@ class _RematCall:
 
 
 def _layer_groups(cfg: ModelConfig, conns: list[Connectivity]) -> list[list[int]]:
-    """Maximal runs of consecutive layers with the same kind (MoE/dense) and connectivity."""
+    """Maximal runs of consecutive layers with the same kind (MoE/dense), attention variant (Llama-4's
+    RoPE/NoPE, chunked/full) and connectivity: one scan body serves them all."""
+    def key(i: int) -> tuple:
+        return cfg.is_moe_layer(i), cfg.uses_rope(i), cfg.chunked_layer(i), conns[i]
+
     groups: list[list[int]] = []
     for i in range(cfg.num_layers):
-        key = (cfg.is_moe_layer(i), conns[i])
-        if groups and (cfg.is_moe_layer(groups[-1][-1]), conns[groups[-1][-1]]) == key:
+        if groups and key(groups[-1][-1]) == key(i):
             groups[-1].append(i)
         else:
             groups.append([i])

@@ -1,4 +1,5 @@
-"""Shared helpers for the HF-parity tests: tiny random DeepSeek-V2/V3 and Qwen3-MoE models in torch and JAX.
+"""Shared helpers for the HF-parity tests: tiny random DeepSeek-V2/V3, Qwen3-MoE and Llama-4 models in
+torch and JAX.
 
 Not a test module. Imported by tests/model/* and tests/test_cli_logits.py. HF models are built
 with random weights of a scale that gives logits of order 1 (normal std 0.2 for matrices and
@@ -20,6 +21,8 @@ from transformers import (
     DeepseekV2ForCausalLM,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
+    Llama4ForCausalLM,
+    Llama4TextConfig,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
@@ -81,6 +84,34 @@ def tiny_dsv3_config(**kw: Any) -> DeepseekV3Config:
     cfg = DeepseekV3Config(**base)
     cfg._attn_implementation = "eager"
     return cfg
+
+
+# Llama 3.1 scaling with an original context of 16 positions: the 17-token tests reach past it, and
+# head_dim 12 puts rotary frequencies in all three bands.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
+def tiny_llama4_config(**kw: Any) -> Llama4TextConfig:
+    """A Llama-4 text config of the same scale: 4 layers, MoE every 2nd (1, 3), NoPE layer 3 (the
+    default every 4th), chunks of 4 positions on the RoPE layers, GQA 4 / 2 heads of 12, 4 experts
+    top-1 with a shared expert, llama3 RoPE, temperature tuning that changes from position 3 on
+    (floor_scale 4, attn_scale 0.5)."""
+    base: dict[str, Any] = dict(
+        vocab_size=96, hidden_size=32, intermediate_size=16, intermediate_size_mlp=48, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_local_experts=4, num_experts_per_tok=1,
+        interleave_moe_layer_step=2, attention_chunk_size=4, attn_temperature_tuning=True, floor_scale=4,
+        attn_scale=0.5, use_qk_norm=True, max_position_embeddings=64, tie_word_embeddings=False,
+        rms_norm_eps=1e-5, rope_parameters=dict(LLAMA3_ROPE))
+    base.update(kw)
+    cfg = Llama4TextConfig(**base)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def build_llama4(cfg: Llama4TextConfig, seed: int = 0) -> Llama4ForCausalLM:
+    torch.manual_seed(seed)
+    return randomize_(Llama4ForCausalLM(cfg).eval(), seed)
 
 
 def build_dsv3(cfg: DeepseekV3Config, seed: int = 0, bias_std: float = 0.3) -> DeepseekV3ForCausalLM:
