@@ -1,8 +1,9 @@
-"""FCSD per model family (Qwen3-MoE, DeepSeek-V3 with its biased group router): the trainer starts
+"""FCSD per model family (Qwen3-MoE, DeepSeek-V3 with its biased group router, Llama-4 with NoPE
+layers, chunked attention and expert-input scaling): the trainer starts
 teacher and FarSkip student from a tiny HF `save_pretrained` directory (`train.init_checkpoint`), and
 EP=4 trains the same losses as one device. About 45 s per family on 2 CPU cores (cold compile
 cache), so kept out of the default suite (`-m slow`); the model-level EP/TP equivalence runs by
-default in tests/parallel/test_{qwen3,dsv3}_parallel.py."""
+default in tests/parallel/test_{qwen3,dsv3,llama4}_parallel.py."""
 
 from __future__ import annotations
 
@@ -18,7 +19,15 @@ from farskip_jax.config import load_config, to_dict
 from farskip_jax.train import trainer as trainer_mod
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
-from hf_tiny import build_dsv3, build_qwen3, save_hf, tiny_dsv3_config, tiny_qwen3_config  # noqa: E402
+from hf_tiny import (  # noqa: E402
+    build_dsv3,
+    build_llama4,
+    build_qwen3,
+    save_hf,
+    tiny_dsv3_config,
+    tiny_llama4_config,
+    tiny_qwen3_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -29,6 +38,8 @@ FAMILIES = {
                                  seed=1),
     "dsv3": lambda: build_dsv3(tiny_dsv3_config(vocab_size=105, num_hidden_layers=3, first_k_dense_replace=1),
                                seed=1),
+    # 4 layers: MoE layers 1 and 3, NoPE layer 3, chunks of 4 positions.
+    "llama4": lambda: build_llama4(tiny_llama4_config(vocab_size=105), seed=1),
 }
 
 
