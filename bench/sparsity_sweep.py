@@ -176,35 +176,47 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Left: the whole compiled step; right: its transformer layers only, with regular's limit."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    styles = {("h200", "prefill"): ("tab:green", "o", "-"), ("mi300x", "prefill"): ("tab:red", "o", "-"),
-              ("h200", "train"): ("tab:green", "s", "--"), ("mi300x", "train"): ("tab:red", "s", "--")}
-    for axis in ("active", "total"):
-        for (target, mode), (color, marker, ls) in styles.items():
-            pts = sorted((w["sparsity"], w["speedup"]) for w in rows
-                         if w["axis"] == axis and w["target"] == target and w["mode"] == mode)
-            if pts:
-                xs, ys = zip(*pts, strict=True)
-                ax.plot(xs, ys, color=color, marker=marker, ls=ls if axis == "active" else "-.",
-                        mfc=None if axis == "active" else "white",
-                        label=f"{target} {mode}, fixed {axis} params (compiled, est.)")
-    px, py = zip(*sorted(PAPER_ANALYTICAL.items()), strict=True)
-    ax.plot(px, py, "k*", ms=13, ls=":", label="paper's analytical prefill (2048 ctx, quoted points)")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks([8, 16, 32, 64], labels=["8x", "16x", "32x", "64x"])
-    ax.set_xlabel("MoE sparsity = routed experts / top-k (expert width 2048)")
-    ax.set_ylabel("speed-up FarSkip vs regular (est. step)")
-    ax.set_title("DeepSeek-V3-like layer, 8 GPUs: prefill TP=8 (4 layers), train EP=8 (2 layers)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    colors = {"h200": "tab:green", "mi300x": "tab:red"}
+    markers = {"prefill": "o", "train": "s"}
+    for ax, key, title in ((axes[0], "speedup", "whole compiled step (incl. embedding, LM head, optimizer)"),
+                           (axes[1], "speedup_layers", "MoE layers only (step minus non-layer compute)")):
+        for w_axis in ("active", "total"):
+            for target, color in colors.items():
+                for mode, marker in markers.items():
+                    sel = sorted((w["sparsity"], w[key], w["limit_layers"]) for w in rows
+                                 if w["axis"] == w_axis and w["target"] == target and w["mode"] == mode)
+                    if not sel:
+                        continue
+                    xs, ys, lims = zip(*sel, strict=True)
+                    ls = ("-" if mode == "prefill" else "--") if w_axis == "active" else "-."
+                    ax.plot(xs, ys, color=color, marker=marker, ls=ls,
+                            mfc=color if w_axis == "active" else "white",
+                            label=f"{target} {mode}, fixed {w_axis} params")
+                    if key == "speedup_layers" and mode == "prefill":
+                        ax.plot(xs, lims, color=color, ls=":", lw=1, marker=marker, ms=3,
+                                mfc=color if w_axis == "active" else "white",
+                                label=f"{target} {mode}, fixed {w_axis}: limit (regular, comm hidden)")
+        px, py = zip(*sorted(PAPER_ANALYTICAL.items()), strict=True)
+        ax.plot(px, py, "k*", ms=14, ls="none", label="paper's analytical prefill, 2048 ctx (quoted)")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([8, 16, 32, 64], labels=["8x", "16x", "32x", "64x"])
+        ax.set_xlabel("MoE sparsity = routed experts / top-k (expert width 2048)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("speed-up FarSkip vs regular (estimated)")
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle("DeepSeek-V3-like layers, 8 GPUs, deviceless compiles: "
+                 "prefill TP=8 (4 layers, 2048 tokens), train EP=8 (2 layers)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

@@ -140,6 +140,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--report-only", action="store_true",
                    help="rewrite RESULTS.md and the plots from an earlier run's results.json")
+    p.add_argument("--sparsity-sweep", action="store_true",
+                   help="also run bench/sparsity_sweep.py (deviceless H200/MI300X compiles of a "
+                        "DeepSeek-V3-like layer at MoE sparsity 8-64x, ~30-40 min on 2 cores, resumable) "
+                        "into OUT/sparsity_sweep.*; without it section (e) is written from an existing "
+                        "OUT/sparsity_sweep.json, if any")
     args = p.parse_args(argv)
     import jax
 
@@ -171,11 +176,109 @@ def main(argv: Sequence[str] | None = None) -> int:
         (out / "results.json").write_text(json.dumps(
             {"seeds": seeds, "overrides": overrides, "runs": [_compact(r) for r in runs]}))
     cfg = load_config(args.config, parse_overrides([*overrides, f"demo.seed={seeds[0]}"]))
+    if args.sparsity_sweep:
+        log("sparsity sweep: bench/sparsity_sweep.py (deviceless compiles)")
+        run_sparsity_sweep(out, Path(args.work_dir) / "sparsity_sweep")
     note, reps = overlap_section(out, Path(args.inspect_dir))
     write_report(out, cfg, runs, note, reps, overrides, time.perf_counter() - t0)
     log(f"done -> {out / 'RESULTS.md'}")
     log_f.close()
     return 0
+
+
+SWEEP_CMD = "python bench/sparsity_sweep.py --axes active,total --modes prefill,train"
+
+
+def run_sparsity_sweep(out: Path, runs: Path) -> None:
+    """bench/sparsity_sweep.py into out/sparsity_sweep.{json,md,png}; points already compiled under
+    `runs` are kept (the sweep is resumable)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, str(root / "bench" / "sparsity_sweep.py"), "--axes", "active,total",
+                    "--runs", str(runs), "--out", str(out / "sparsity_sweep")], check=True, cwd=root)
+
+
+def _trend(rows: list[dict[str, Any]]) -> str:
+    """'grows', 'falls' or 'flat' (within 1%) from the lowest to the highest sparsity, and monotone or not."""
+    rows = sorted(rows, key=lambda w: w["sparsity"])
+    ys = [w["speedup"] for w in rows]
+    ratio = ys[-1] / ys[0]
+    steps = [b - a for a, b in zip(ys, ys[1:], strict=False)]
+    shape = "" if all(d > 0 for d in steps) or all(d < 0 for d in steps) else ", not monotone"
+    return ("flat" if abs(ratio - 1) < 0.01 else "grows" if ratio > 1 else "falls") + shape
+
+
+def sparsity_section(out: Path) -> list[str]:
+    """Section (e) from out/sparsity_sweep.json (bench/sparsity_sweep.py), or nothing if absent."""
+    path = out / "sparsity_sweep.json"
+    md = ["## (e) Sparsity vs speed-up from compiled schedules", ""]
+    if not path.exists():
+        return md + [f"Not run: `{SWEEP_CMD}` (or `python -m farskip_jax.reproduce --sparsity-sweep`) "
+                     "writes `sparsity_sweep.json`.", ""]
+    data = json.loads(path.read_text())
+    pts = data["points"]
+    table = (out / "sparsity_sweep.md").read_text().strip() if (out / "sparsity_sweep.md").exists() else ""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for w in pts:
+        groups.setdefault((w["axis"], w["target"], w["mode"]), []).append(w)
+    trends = {k: _trend(v) for k, v in groups.items() if len(v) > 1}
+    pre = {k: t for k, t in trends.items() if k[0] == "active" and k[2] == "prefill"}
+    if pre and all(t.startswith("grows") for t in pre.values()):
+        verdict = "agrees"
+    elif pre and all(t.startswith(("falls", "flat")) for t in pre.values()):
+        verdict = "disagrees"
+    else:
+        verdict = "not resolved"
+    by = {(w["axis"], w["target"], w["mode"], w["sparsity"]): w for w in pts}
+
+    def su(axis: str, target: str, mode: str, s: int, key: str = "speedup") -> str:
+        w = by.get((axis, target, mode, s))
+        return "-" if w is None else f"{w[key]:.3f}x"
+
+    md += [
+        "Question (paper, talk summary): its analytical model gives a prefill speed-up that grows with MoE "
+        "sparsity, ~1.5x at DeepSeek-V3's ~32x and ~1.65x at 64x (context 2048). The formula and its "
+        "inputs are not in our sources (the paper text we have does not state it), so only these two "
+        "quoted points are plotted; they are not reproduced here.",
+        "",
+        "Setup: DeepSeek-V3 widths (hidden 7168, MLA 128 heads, 1 shared expert, expert width 2048), "
+        "compiled deviceless for 8x H200 and 8x MI300X by `python -m farskip_jax inspect "
+        "--compare-regular`; speed-up = regular's estimated step / FarSkip's (the inspector's timeline "
+        "replay of XLA's schedule with roofline costs). Fixed *active* parameters: top-8, experts = 8 x "
+        "sparsity (64..512; the issue's grid). Fixed *total* parameters: 256 experts, top-k = 256 / "
+        "sparsity (32..4). Prefill: TP=8, 4 MoE layers (no dense layers: sparsity does not touch them), one "
+        "2048-token prompt, bf16 weights. Train: the trainer's `lm` step (forward + backward + AdamW, fp32 "
+        "master weights) under EP=8, 2 MoE layers, 4096 tokens per GPU: at 512 experts four layers' weights "
+        "and moments exceed an H200 (XLA then schedules in memory-reduction mode, every collective "
+        "synchronous). Both: balanced expert capacity (`capacity_factor=1.0`, each expert computes "
+        "ceil(T k / E) rows, i.e. the active FLOPs), since the dropless padded buffer computes every "
+        "worst-case row and would make compute grow with E by construction. MI300X uses the inspector's "
+        "synthetic PGLE profile (its default there), H200 XLA's own estimator. 'layers only' = the step "
+        "minus compute outside the layers (embedding, the LM head over all 2048 positions, loss, "
+        "optimizer), which four layers over-weight against DeepSeek-V3's 58; 'limit' = regular's step "
+        "over its compute time, the speed-up if every exposed collective were hidden.",
+        "",
+        f"Reproduce: `{SWEEP_CMD}` (resumable; `--report-only` redraws), then "
+        "`python -m farskip_jax.reproduce --report-only` or `--sparsity-sweep`.",
+        "",
+        table,
+        "",
+        "![sparsity sweep](sparsity_sweep.png)",
+        "",
+        "Trend from 8x to 64x, per curve: " + "; ".join(
+            f"{a} params, {t} {m}: {tr}" for (a, t, m), tr in sorted(trends.items())) + ".",
+        "",
+        f"**Verdict: {verdict}** (fixed active parameters, prefill, the issue's grid). From 32x to 64x "
+        "the compiled prefill speed-up goes " + ", ".join(
+            f"{t.upper()} {su('active', t, 'prefill', 32)} -> {su('active', t, 'prefill', 64)} "
+            f"(layers only {su('active', t, 'prefill', 32, 'speedup_layers')} -> "
+            f"{su('active', t, 'prefill', 64, 'speedup_layers')})" for t in ("h200", "mi300x"))
+        + ", where the paper's analytical model gives ~1.5x -> ~1.65x.",
+        "",
+    ]
+    return md
 
 
 def _compact(r: dict[str, Any]) -> dict[str, Any]:
@@ -302,6 +405,7 @@ def write_report(out: Path, cfg: Config, runs: list[dict[str, Any]], note: str, 
         fig.tight_layout()
         fig.savefig(out / "overlap.png", dpi=110)
         plt.close(fig)
+    md += sparsity_section(out)
     (out / "RESULTS.md").write_text("\n".join(md) + "\n")
 
 
