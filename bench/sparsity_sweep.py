@@ -39,7 +39,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 TOP_K = 8
@@ -52,7 +52,7 @@ PAPER_ANALYTICAL = {32: 1.5, 64: 1.65}
 COMMON = ["model.first_k_dense_replace=0", "model.capacity_factor=1.0", "model.expert_matmul=padded"]
 MODES: dict[str, dict[str, Any]] = {
     "prefill": {"layers": 4, "inspect_mode": "prefill", "sets": ["model.param_dtype=bfloat16"],
-                "args": ["--seq-len", "2048", "--batch", "1"], "comm": ("all-reduce",)},
+                "args": ["--seq-len", "2048"], "comm": ("all-reduce",)},
     "train": {"layers": 2, "inspect_mode": "fcsd", "sets": ["train.mode=lm"],
               "args": ["--seq-len", "4096", "--seqs-per-device", "1"],
               "comm": ("all-to-all", "ragged-all-to-all")},
@@ -68,42 +68,57 @@ def experts(axis: str, sparsity: int) -> tuple[int, int]:
     return TOTAL_EXPERTS, TOTAL_EXPERTS // sparsity
 
 
-def point_dir(runs: Path, target: str, mode: str, sparsity: int, axis: str = "active") -> Path:
-    return runs / (f"{target}_{mode}_s{sparsity}" + ("" if axis == "active" else f"_{axis}"))
+class Point(NamedTuple):
+    axis: str  # "active" (top-8 fixed) or "total" (256 experts fixed)
+    target: str  # h200 | mi300x
+    mode: str  # prefill | train
+    sparsity: int  # routed experts / top-k
+    batch: int = 1  # prefill: 2048-token prompts (train: always 1 x 4096 tokens per GPU)
+
+    @property
+    def name(self) -> str:
+        axis = "" if self.axis == "active" else f"_{self.axis}"
+        batch = "" if self.batch == 1 else f"_b{self.batch}"
+        return f"{self.target}_{self.mode}_s{self.sparsity}{axis}{batch}"
 
 
-def inspect_cmd(target: str, mode: str, sparsity: int, out: Path, axis: str = "active") -> list[str]:
-    m = MODES[mode]
-    n_experts, top_k = experts(axis, sparsity)
+def inspect_cmd(pt: Point, out: Path) -> list[str]:
+    m = MODES[pt.mode]
+    n_experts, top_k = experts(pt.axis, pt.sparsity)
     sets = [*COMMON, *m["sets"], f"model.num_layers={m['layers']}",
             f"model.n_routed_experts={n_experts}", f"model.num_experts_per_tok={top_k}",
             f"model.moe_intermediate_size={EXPERT_WIDTH}"]
+    args = m["args"] + (["--batch", str(pt.batch)] if pt.mode == "prefill" else [])
     cmd = [sys.executable, "-m", "farskip_jax", "inspect", "--config", "deepseek_v3_farskip",
-           "--mode", m["inspect_mode"], "--target", target, "--compare-regular",
-           "--no-timeline", "--no-save-hlo", "--out", str(out), *m["args"]]
+           "--mode", m["inspect_mode"], "--target", pt.target, "--compare-regular",
+           "--no-timeline", "--no-save-hlo", "--out", str(out), *args]
     for s in sets:
         cmd += ["--set", s]
     return cmd
 
 
-def run_point(target: str, mode: str, sparsity: int, runs: Path, log_dir: Path, axis: str = "active") -> None:
-    out = point_dir(runs, target, mode, sparsity, axis)
-    if all((out / f"report_{c}.json").exists() for c in ("farskip", "regular")):
-        print(f"[sweep] {out.name}: reports exist, skipped", flush=True)
+def done(d: Path) -> bool:
+    return all((d / f"report_{c}.json").exists() for c in ("farskip", "regular"))
+
+
+def run_point(pt: Point, runs: Path, log_dir: Path) -> None:
+    out = runs / pt.name
+    if done(out):
+        print(f"[sweep] {pt.name}: reports exist, skipped", flush=True)
         return
     out.mkdir(parents=True, exist_ok=True)
-    cmd = inspect_cmd(target, mode, sparsity, out, axis)
-    print(f"[sweep] {out.name}: compiling ({' '.join(cmd[2:])})", flush=True)
+    cmd = inspect_cmd(pt, out)
+    print(f"[sweep] {pt.name}: compiling ({' '.join(cmd[2:])})", flush=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     t0 = time.perf_counter()
-    with open(log_dir / f"{out.name}.log", "w") as log:
+    with open(log_dir / f"{pt.name}.log", "w") as log:
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     wall = time.perf_counter() - t0
     if rc != 0:
-        print(f"[sweep] {out.name}: FAILED (rc {rc}, {wall:.0f} s), see {log_dir / out.name}.log", flush=True)
+        print(f"[sweep] {pt.name}: FAILED (rc {rc}, {wall:.0f} s), see {log_dir / pt.name}.log", flush=True)
         return
     (out / "wall.json").write_text(json.dumps({"wall_s": wall}))
-    print(f"[sweep] {out.name}: done in {wall:.0f} s", flush=True)
+    print(f"[sweep] {pt.name}: done in {wall:.0f} s", flush=True)
 
 
 def _hidden(totals: dict[str, Any], kinds: tuple[str, ...]) -> float | None:
@@ -121,14 +136,14 @@ def _non_layer_compute_us(trace_path: Path) -> float:
                and "layer" not in e["args"])
 
 
-def summarize(target: str, mode: str, sparsity: int, runs: Path,
-              axis: str = "active") -> dict[str, Any] | None:
-    d = point_dir(runs, target, mode, sparsity, axis)
-    if not all((d / f"report_{c}.json").exists() for c in ("farskip", "regular")):
+def summarize(pt: Point, runs: Path) -> dict[str, Any] | None:
+    d = runs / pt.name
+    if not done(d):
         return None
-    n_experts, top_k = experts(axis, sparsity)
-    row: dict[str, Any] = {"axis": axis, "target": target, "mode": mode, "sparsity": sparsity,
-                           "experts": n_experts, "top_k": top_k, "layers": MODES[mode]["layers"]}
+    mode, sparsity = pt.mode, pt.sparsity
+    n_experts, top_k = experts(pt.axis, sparsity)
+    row: dict[str, Any] = {**pt._asdict(), "experts": n_experts, "top_k": top_k,
+                           "layers": MODES[mode]["layers"]}
     for c in ("farskip", "regular"):
         rep = json.loads((d / f"report_{c}.json").read_text())
         t = rep["totals"]
@@ -146,7 +161,7 @@ def summarize(target: str, mode: str, sparsity: int, runs: Path,
     # The physical limit of any overlap: regular's step with all of its exposed communication gone.
     row["limit"] = r["est_ms"] / r["compute_ms"]
     row["limit_layers"] = r["layers_est_ms"] / (r["compute_ms"] - r["non_layer_ms"])
-    row["paper_analytical"] = PAPER_ANALYTICAL.get(sparsity) if mode == "prefill" else None
+    row["paper_analytical"] = PAPER_ANALYTICAL.get(sparsity) if mode == "prefill" and pt.batch == 1 else None
     wall = d / "wall.json"
     row["wall_s"] = json.loads(wall.read_text())["wall_s"] if wall.exists() else None
     return row
@@ -154,6 +169,10 @@ def summarize(target: str, mode: str, sparsity: int, runs: Path,
 
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def step_label(w: dict[str, Any]) -> str:
+    return f"prefill {w['batch']}x2048" if w["mode"] == "prefill" else "train 1x4096/GPU"
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
@@ -168,7 +187,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         paper = "-" if w["paper_analytical"] is None else f"~{w['paper_analytical']:.2f}x"
         wall = "-" if w["wall_s"] is None else f"{w['wall_s']:.0f}"
         lines.append(
-            f"| {w['axis']} | {w['sparsity']}x ({w['experts']}/{w['top_k']}) | {w['target']} | {w['mode']} "
+            f"| {w['axis']} | {w['sparsity']}x ({w['experts']}/{w['top_k']}) | {w['target']} "
+            f"| {step_label(w)} "
             f"| {w['regular']['est_ms']:.2f} | {w['farskip']['est_ms']:.2f} | {w['speedup']:.3f}x "
             f"| {w['speedup_layers']:.3f}x | {w['limit']:.3f}x / {w['limit_layers']:.3f}x "
             f"| {kind} {_pct(w['regular']['hidden'])} -> {_pct(w['farskip']['hidden'])} | {paper} | {wall} |")
@@ -184,25 +204,24 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     colors = {"h200": "tab:green", "mi300x": "tab:red"}
-    markers = {"prefill": "o", "train": "s"}
+    markers = {"prefill": "o", "train": "s"}  # prefill with more than one prompt: "D"
     for ax, key, title in ((axes[0], "speedup", "whole compiled step (incl. embedding, LM head, optimizer)"),
                            (axes[1], "speedup_layers", "MoE layers only (step minus non-layer compute)")):
-        for w_axis in ("active", "total"):
-            for target, color in colors.items():
-                for mode, marker in markers.items():
-                    sel = sorted((w["sparsity"], w[key], w["limit_layers"]) for w in rows
-                                 if w["axis"] == w_axis and w["target"] == target and w["mode"] == mode)
-                    if not sel:
-                        continue
-                    xs, ys, lims = zip(*sel, strict=True)
-                    ls = ("-" if mode == "prefill" else "--") if w_axis == "active" else "-."
-                    ax.plot(xs, ys, color=color, marker=marker, ls=ls,
-                            mfc=color if w_axis == "active" else "white",
-                            label=f"{target} {mode}, fixed {w_axis} params")
-                    if key == "speedup_layers" and mode == "prefill":
-                        ax.plot(xs, lims, color=color, ls=":", lw=1, marker=marker, ms=3,
-                                mfc=color if w_axis == "active" else "white",
-                                label=f"{target} {mode}, fixed {w_axis}: limit (regular, comm hidden)")
+        curves = sorted({(w["axis"], w["target"], w["mode"], w["batch"]) for w in rows})
+        for w_axis, target, mode, batch in curves:
+            sel = sorted((w["sparsity"], w[key], w["limit_layers"]) for w in rows
+                         if (w["axis"], w["target"], w["mode"], w["batch"]) == (w_axis, target, mode, batch))
+            xs, ys, lims = zip(*sel, strict=True)
+            color = colors[target]
+            marker = markers[mode] if batch == 1 else "D"
+            ls = ("-" if mode == "prefill" else "--") if w_axis == "active" else "-."
+            step = step_label({"mode": mode, "batch": batch})
+            mfc = color if w_axis == "active" else "white"
+            ax.plot(xs, ys, color=color, marker=marker, ls=ls, mfc=mfc, lw=1.5 if batch == 1 else 1,
+                    label=f"{target} {step}, fixed {w_axis} params")
+            if key == "speedup_layers" and mode == "prefill" and batch == 1:
+                ax.plot(xs, lims, color=color, ls=":", lw=1, marker=marker, ms=3, mfc=mfc,
+                        label=f"{target} {step}, fixed {w_axis}: limit (regular, comm hidden)")
         px, py = zip(*sorted(PAPER_ANALYTICAL.items()), strict=True)
         ax.plot(px, py, "k*", ms=14, ls="none", label="paper's analytical prefill, 2048 ctx (quoted)")
         ax.axhline(1.0, color="grey", lw=0.8)
@@ -234,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="one inspect output directory per point (reports, traces, logs)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "sparsity_sweep",
                    help="writes OUT.json, OUT.md, OUT.png")
+    p.add_argument("--batch", type=int, default=1,
+                   help="prefill: 2048-token prompts per step (default 1; >1 makes the expert GEMMs "
+                        "compute-bound rather than weight-read-bound)")
     p.add_argument("--report-only", action="store_true", help="compile nothing; summarize existing runs")
     args = p.parse_args(argv)
     sparsities = [int(s) for s in args.sparsities.split(",")]
@@ -249,15 +271,17 @@ def main(argv: list[str] | None = None) -> int:
     for a in axes:
         if a not in ("active", "total"):
             p.error(f"unknown axis {a!r}")
-    grid = [(a, t, m, s) for a in axes for m in modes for t in targets for s in sparsities]
+    grid = [Point(a, t, m, s, args.batch if m == "prefill" else 1)
+            for a in axes for m in modes for t in targets for s in sparsities]
     if not args.report_only:
-        for i, (a, t, m, s) in enumerate(grid, 1):
+        for i, pt in enumerate(grid, 1):
             print(f"[sweep] point {i}/{len(grid)}", flush=True)
-            run_point(t, m, s, args.runs, log_dir, a)
+            run_point(pt, args.runs, log_dir)
     # The report covers every point of the full grid that has reports, whatever was compiled now.
-    full = [(a, t, m, s) for a in ("active", "total") for m in MODES for t in ("h200", "mi300x")
-            for s in sparsities]
-    rows = [r for r in (summarize(t, m, s, args.runs, a) for a, t, m, s in full) if r is not None]
+    batches = sorted({1, args.batch})
+    full = [Point(a, t, m, s, b) for b in batches for a in ("active", "total") for m in MODES
+            for t in ("h200", "mi300x") for s in sparsities if b == 1 or m == "prefill"]
+    rows = [r for r in (summarize(pt, args.runs) for pt in full) if r is not None]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(
         {"top_k": TOP_K, "expert_width": EXPERT_WIDTH, "paper_analytical_quoted": PAPER_ANALYTICAL,

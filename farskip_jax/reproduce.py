@@ -220,18 +220,18 @@ def sparsity_section(out: Path) -> list[str]:
     data = json.loads(path.read_text())
     pts = data["points"]
     table = (out / "sparsity_sweep.md").read_text().strip() if (out / "sparsity_sweep.md").exists() else ""
-    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, str, str, int], list[dict[str, Any]]] = {}
     for w in pts:
-        groups.setdefault((w["axis"], w["target"], w["mode"]), []).append(w)
+        groups.setdefault((w["axis"], w["target"], w["mode"], w.get("batch", 1)), []).append(w)
     trends = {k: _trend(v) for k, v in groups.items() if len(v) > 1}
-    pre = {k: t for k, t in trends.items() if k[0] == "active" and k[2] == "prefill"}
+    pre = {k: t for k, t in trends.items() if k[0] == "active" and k[2] == "prefill" and k[3] == 1}
     if pre and all(t.startswith("grows") for t in pre.values()):
         verdict = "agrees"
     elif pre and all(t.startswith(("falls", "flat")) for t in pre.values()):
         verdict = "disagrees"
     else:
         verdict = "not resolved"
-    by = {(w["axis"], w["target"], w["mode"], w["sparsity"]): w for w in pts}
+    by = {(w["axis"], w["target"], w["mode"], w["sparsity"]): w for w in pts if w.get("batch", 1) == 1}
 
     def su(axis: str, target: str, mode: str, s: int, key: str = "speedup") -> str:
         w = by.get((axis, target, mode, s))
@@ -268,7 +268,8 @@ def sparsity_section(out: Path) -> list[str]:
         "![sparsity sweep](sparsity_sweep.png)",
         "",
         "Trend from 8x to 64x, per curve: " + "; ".join(
-            f"{a} params, {t} {m}: {tr}" for (a, t, m), tr in sorted(trends.items())) + ".",
+            f"fixed {a} params, {t} {m}" + (f" ({b} prompts)" if b != 1 else "") + f": {tr}"
+            for (a, t, m, b), tr in sorted(trends.items())) + ".",
         "",
         f"**Verdict: {verdict}** (fixed active parameters, prefill, the issue's grid). From 32x to 64x "
         "the compiled prefill speed-up goes " + ", ".join(
