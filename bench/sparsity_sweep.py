@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -278,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[sweep] point {i}/{len(grid)}", flush=True)
             run_point(pt, args.runs, log_dir)
     # The report covers every point of the full grid that has reports, whatever was compiled now.
-    batches = sorted({1, args.batch})
+    found = {int(m.group(1)) for d in args.runs.iterdir() if (m := re.search(r"_b(\d+)$", d.name))}
+    batches = sorted({1, args.batch} | found)
     full = [Point(a, t, m, s, b) for b in batches for a in ("active", "total") for m in MODES
             for t in ("h200", "mi300x") for s in sparsities if b == 1 or m == "prefill"]
     rows = [r for r in (summarize(pt, args.runs) for pt in full) if r is not None]
