@@ -137,6 +137,26 @@ def _non_layer_compute_us(trace_path: Path) -> float:
                and "layer" not in e["args"])
 
 
+def _layer_roles_us(trace_path: Path, layer: int = 1) -> dict[str, float]:
+    """Compute time by role (attention, experts, shared, router, ...) of one middle layer, forward and
+    backward together, plus its collectives' transfer time as 'comm' (the timeline replay's costs)."""
+    trace = json.loads(trace_path.read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    out: dict[str, float] = {}
+    for e in events:
+        a = e.get("args") or {}
+        if e.get("ph") != "X" or a.get("layer") != layer:
+            continue
+        if "opcode" in a:
+            key = a.get("role", "other")
+        elif "collective" in a and "bytes" in a:
+            key = "comm"
+        else:
+            continue
+        out[key] = out.get(key, 0.0) + e["dur"]
+    return {k: round(v, 1) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
+
+
 def summarize(pt: Point, runs: Path) -> dict[str, Any] | None:
     d = runs / pt.name
     if not done(d):
@@ -157,6 +177,7 @@ def summarize(pt: Point, runs: Path) -> dict[str, Any] | None:
                   "compile_s": rep["meta"].get("compile_seconds"),
                   "peak_gib": (rep.get("memory") or {}).get("peak_bytes_per_device", 0) / 2**30}
     f, r = row["farskip"], row["regular"]
+    row["layer1_regular_us"] = _layer_roles_us(d / "report_regular.trace.json")
     row["speedup"] = r["est_ms"] / f["est_ms"]
     row["speedup_layers"] = r["layers_est_ms"] / f["layers_est_ms"]
     # The physical limit of any overlap: regular's step with all of its exposed communication gone.
