@@ -175,7 +175,8 @@ def summarize(pt: Point, runs: Path) -> dict[str, Any] | None:
                   "sync": t["all"]["sync"], "count": t["all"]["count"],
                   "non_layer_ms": other / 1e3, "layers_est_ms": (t["est_step_us"] - other) / 1e3,
                   "compile_s": rep["meta"].get("compile_seconds"),
-                  "peak_gib": (rep.get("memory") or {}).get("peak_bytes_per_device", 0) / 2**30}
+                  "peak_gib": (rep.get("memory") or {}).get("peak_bytes_per_device", 0) / 2**30,
+                  "peak_hbm_frac": (rep.get("memory") or {}).get("fraction")}
     f, r = row["farskip"], row["regular"]
     row["layer1_regular_us"] = _layer_roles_us(d / "report_regular.trace.json")
     row["speedup"] = r["est_ms"] / f["est_ms"]

@@ -339,6 +339,13 @@ def _sparsity_why(pts: list[dict[str, Any]]) -> list[str]:
                          f"{curve('active', t, 'train', key='speedup_layers')}")
     if extra:
         out += ["Other axes (whole-step speed-ups): " + "; ".join(extra) + ".", ""]
+    over = [w for w in pts if max(w[c].get("peak_hbm_frac") or 0 for c in ("farskip", "regular")) > 1]
+    if over:
+        out += ["Over the target's memory (XLA's buffer assignment; the scheduler may then trade overlap "
+                "for memory): " + ", ".join(
+                    f"{w['target']} {w['mode']} {w['sparsity']}x ({w['axis']}) peak "
+                    f"{max(w[c]['peak_gib'] for c in ('farskip', 'regular')):.0f} GiB" for w in over)
+                + ".", ""]
     out += ["Why the numbers may differ from the paper's model: these are XLA schedules priced by the "
             "inspector's roofline and timeline replay, not measurements; XLA already overlaps part of the "
             "regular model's collectives (the 'hidden regular' column), which an analytical model that "
