@@ -5,16 +5,19 @@ for each target (H200, MI300X) and step (TP=8 prefill, EP=8 train step), once wi
 once with regular connectivity (`python -m farskip_jax inspect --compare-regular`), and the
 inspector's timeline-replay estimates are compared.
 
-Fixed active parameters: top-k stays 8 and the expert width 2048 (DeepSeek-V3's), only the routed
-expert count changes: S = 8, 16, 32, 64 -> 64, 128, 256, 512 experts (DeepSeek-V3 itself is 32x).
-Attention, shared expert, hidden size and vocabulary are DeepSeek-V3's.
+--axes active (the default), fixed active parameters: top-k stays 8 and the expert width 2048
+(DeepSeek-V3's), only the routed expert count changes: S = 8, 16, 32, 64 -> 64, 128, 256, 512
+experts (DeepSeek-V3 itself is 32x).
+--axes total, fixed total parameters: 256 experts, top-k = 256 / S = 32, 16, 8, 4 (active FLOPs
+fall as S grows). Attention, shared expert, hidden size and vocabulary are DeepSeek-V3's.
 
 Layer counts (the smallest representative ones; no dense layers, which sparsity does not touch):
 - prefill: 4 MoE layers, one 2048-token prompt (context 2048), TP=8, bf16 weights;
 - train: 2 MoE layers, 1 x 4096 tokens per GPU, EP=8, the trainer's own `lm` step (train.py's
-  program: forward + backward + AdamW, fp32 master weights). Two, not four: at 512 experts four
-  layers' fp32 weights and AdamW moments alone exceed an H200's memory at EP=8 (XLA then schedules
-  in memory-reduction mode and leaves every collective synchronous).
+  program: forward + backward + AdamW, fp32 master weights). Two, not four: with four layers at
+  512 experts the fp32 weights and AdamW moments alone exceed an H200 at EP=8 (a probe compile
+  peaked at 303 GiB and XLA left every collective synchronous); two layers still peak at ~155 GiB
+  there (141 GiB HBM), which the results note.
 Both use a balanced expert capacity (`model.capacity_factor=1.0`, padded per-expert GEMM): each
 expert computes ceil(T * k / E) rows, i.e. fixed active FLOPs; the dropless padded buffer would
 compute every worst-case row, a cost that grows with E and is an artefact of the padding.
@@ -25,7 +28,9 @@ connectivity); H200 uses XLA's own latency estimator.
 Resumable: a point whose report_farskip.json and report_regular.json exist is not recompiled.
 Writes <out>.json, <out>.md and <out>.png (default results/sparsity_sweep.*).
 
-    python bench/sparsity_sweep.py                      # the whole grid (~30-40 min on 2 cores)
+    python bench/sparsity_sweep.py                      # the issue's grid (fixed active parameters)
+    python bench/sparsity_sweep.py --axes total --modes prefill      # fixed total parameters
+    python bench/sparsity_sweep.py --axes active,total --modes prefill --batch 8   # compute-bound
     python bench/sparsity_sweep.py --targets h200 --modes prefill --sparsities 8,32
     python bench/sparsity_sweep.py --report-only        # tables and plot from existing runs
 """
