@@ -186,7 +186,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-SWEEP_CMD = "python bench/sparsity_sweep.py --axes active,total --modes prefill,train"
+# The three bench/sparsity_sweep.py runs behind section (e): the issue's grid (fixed active
+# parameters, prefill and train), fixed total parameters (prefill), and both at 8 prompts.
+SWEEP_RUNS = [[], ["--axes", "total", "--modes", "prefill"],
+              ["--axes", "active,total", "--modes", "prefill", "--batch", "8"]]
+SWEEP_CMD = "; ".join(" ".join(["python bench/sparsity_sweep.py", *a]) for a in SWEEP_RUNS)
 
 
 def run_sparsity_sweep(out: Path, runs: Path) -> None:
@@ -196,8 +200,9 @@ def run_sparsity_sweep(out: Path, runs: Path) -> None:
     import sys
 
     root = Path(__file__).resolve().parents[1]
-    subprocess.run([sys.executable, str(root / "bench" / "sparsity_sweep.py"), "--axes", "active,total",
-                    "--runs", str(runs), "--out", str(out / "sparsity_sweep")], check=True, cwd=root)
+    for extra in SWEEP_RUNS:
+        subprocess.run([sys.executable, str(root / "bench" / "sparsity_sweep.py"), *extra,
+                        "--runs", str(runs), "--out", str(out / "sparsity_sweep")], check=True, cwd=root)
 
 
 def _trend(rows: list[dict[str, Any]]) -> str:
@@ -215,7 +220,7 @@ def sparsity_section(out: Path) -> list[str]:
     path = out / "sparsity_sweep.json"
     md = ["## (e) Sparsity vs speed-up from compiled schedules", ""]
     if not path.exists():
-        return md + [f"Not run: `{SWEEP_CMD}` (or `python -m farskip_jax.reproduce --sparsity-sweep`) "
+        return md + [f"Not run: `{SWEEP_CMD}` (or `make reproduce REPRODUCE_FLAGS=--sparsity-sweep`) "
                      "writes `sparsity_sweep.json`.", ""]
     data = json.loads(path.read_text())
     pts = data["points"]
@@ -260,8 +265,8 @@ def sparsity_section(out: Path) -> list[str]:
         "optimizer), which four layers over-weight against DeepSeek-V3's 58; 'limit' = regular's step "
         "over its compute time, the speed-up if every exposed collective were hidden.",
         "",
-        f"Reproduce: `{SWEEP_CMD}` (resumable; `--report-only` redraws), then "
-        "`python -m farskip_jax.reproduce --report-only` or `--sparsity-sweep`.",
+        f"Reproduce: `{SWEEP_CMD}` (each resumable; `--report-only` redraws from runs/sparsity_sweep), "
+        "or all of it through `make reproduce REPRODUCE_FLAGS=--sparsity-sweep`.",
         "",
         table,
         "",
