@@ -178,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = load_config(args.config, parse_overrides([*overrides, f"demo.seed={seeds[0]}"]))
     if args.sparsity_sweep:
         log("sparsity sweep: bench/sparsity_sweep.py (deviceless compiles)")
-        run_sparsity_sweep(out, Path(args.work_dir) / "sparsity_sweep")
+        run_sparsity_sweep(out)
     note, reps = overlap_section(out, Path(args.inspect_dir))
     write_report(out, cfg, runs, note, reps, overrides, time.perf_counter() - t0)
     log(f"done -> {out / 'RESULTS.md'}")
@@ -193,16 +193,16 @@ SWEEP_RUNS = [[], ["--axes", "total", "--modes", "prefill"],
 SWEEP_CMD = "; ".join(" ".join(["python bench/sparsity_sweep.py", *a]) for a in SWEEP_RUNS)
 
 
-def run_sparsity_sweep(out: Path, runs: Path) -> None:
+def run_sparsity_sweep(out: Path) -> None:
     """bench/sparsity_sweep.py into out/sparsity_sweep.{json,md,png}; points already compiled under
-    `runs` are kept (the sweep is resumable)."""
+    its runs/sparsity_sweep are kept (the sweep is resumable), so this reuses the bench's own runs."""
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[1]
     for extra in SWEEP_RUNS:
         subprocess.run([sys.executable, str(root / "bench" / "sparsity_sweep.py"), *extra,
-                        "--runs", str(runs), "--out", str(out / "sparsity_sweep")], check=True, cwd=root)
+                        "--out", str(out / "sparsity_sweep")], check=True, cwd=root)
 
 
 def _trend(rows: list[dict[str, Any]]) -> str:
