@@ -247,7 +247,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
             mfc = color if w_axis == "active" else "white"
             ax.plot(xs, ys, color=color, marker=marker, ls=ls, mfc=mfc, lw=1.5 if batch == 1 else 1,
                     label=f"{target} {step}, fixed {w_axis} params")
-            if key == "speedup_layers" and mode == "prefill" and batch == 1:
+            if key == "speedup_layers" and mode == "prefill" and batch == 1 and w_axis == "active":
                 ax.plot(xs, lims, color=color, ls=":", lw=1, marker=marker, ms=3, mfc=mfc,
                         label=f"{target} {step}, fixed {w_axis}: limit (regular, comm hidden)")
         px, py = zip(*sorted(PAPER_ANALYTICAL.items()), strict=True)
