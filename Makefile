@@ -27,8 +27,11 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# REPRODUCE_FLAGS=--sparsity-sweep adds section (e)'s deviceless compiles (bench/sparsity_sweep.py,
+# ~30 min on 2 cores, resumable); without it (e) is rewritten from results/sparsity_sweep.json.
+REPRODUCE_FLAGS ?=
 reproduce: $(STAMP)
-	JAX_PLATFORMS=cpu $(BIN)/python -m farskip_jax.reproduce --out results
+	JAX_PLATFORMS=cpu $(BIN)/python -m farskip_jax.reproduce --out results $(REPRODUCE_FLAGS)
 
 # The ROCm deviceless compile path (MI300X target) is part of the venv above; this target re-checks
 # it by hand: stand-ins are rebuilt when the plugin changed (keyed by its size and mtime), and the
