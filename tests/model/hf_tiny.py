@@ -189,3 +189,43 @@ def record(test: str, variant: str, err: float) -> None:
 def max_abs_err(a: np.ndarray, b: np.ndarray) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+# ---- generation checks shared by the family tests ----------------------------------------------
+
+# Right-padded greedy prompts of unequal length (ids below every tiny vocabulary).
+PROMPTS = [[5, 17, 3, 60, 22, 9, 41], [12, 7], [33, 2, 90, 14, 8]]
+
+
+def padded_prompts(prompts: list[list[int]] = PROMPTS) -> np.ndarray:
+    """`prompts` right-padded with the generator's PAD into one [B, T] int32 array."""
+    from farskip_jax.generation import PAD
+
+    out = np.full((len(prompts), max(map(len, prompts))), PAD, np.int32)
+    for b, p in enumerate(prompts):
+        out[b, : len(p)] = p
+    return out
+
+
+def cached_logits(model: Any, ids: np.ndarray, prefix: int) -> np.ndarray:
+    """Logits [1, T, V] of `ids` [1, T] through the inference cache: one prefill of the first `prefix`
+    tokens, then token by token through the decode path."""
+    import jax.numpy as jnp
+
+    from farskip_jax.model.transformer import empty_cache
+
+    ids = jnp.asarray(ids, jnp.int32)
+    t = ids.shape[1]
+
+    @nnx.jit(static_argnames="prefill")
+    def run(model, ids, pos, caches, prefill):
+        hidden, caches = model.cached_forward(ids, pos, caches, prefill=prefill)
+        return model.logits(hidden), caches
+
+    caches = tuple(empty_cache(model.cfg, 1, t, jnp.float32) for _ in range(model.cfg.num_layers))
+    logits, caches = run(model, ids[:, :prefix], jnp.arange(prefix, dtype=jnp.int32)[None], caches, True)
+    got = [np.asarray(logits)]
+    for i in range(prefix, t):
+        logits, caches = run(model, ids[:, i : i + 1], jnp.full((1, 1), i, jnp.int32), caches, False)
+        got.append(np.asarray(logits))
+    return np.concatenate(got, axis=1)

@@ -29,11 +29,14 @@ import pytest
 import torch
 from flax import nnx
 from hf_tiny import (
+    PROMPTS,
     YARN,
     build_dsv3,
+    cached_logits,
     hf_logits,
     jax_logits,
     max_abs_err,
+    padded_prompts,
     random_ids,
     record,
     save_hf,
@@ -47,10 +50,9 @@ from farskip_jax.checkpoint.convert import convert_hf_to_orbax
 from farskip_jax.checkpoint.hf_io import TensorSource
 from farskip_jax.checkpoint.to_hf import convert_orbax_to_hf
 from farskip_jax.config import MeshConfig, ModelConfig, TrainConfig
-from farskip_jax.generation import PAD, Generator
+from farskip_jax.generation import Generator
 from farskip_jax.model.farskip import REGULAR
 from farskip_jax.model.moe import MoE
-from farskip_jax.model.transformer import empty_cache
 from farskip_jax.parallel import make_mesh
 from farskip_jax.train.optim import make_optimizer
 
@@ -370,36 +372,15 @@ def test_instella_round_trip_and_remote_code(instella, tmp_path, monkeypatch):
 
 # ---- generation over the MLA latent cache ------------------------------------------------------
 
-PROMPTS = [[5, 17, 3, 60, 22, 9, 41], [12, 7], [33, 2, 90, 14, 8]]
 NEW = 6
-
-
-def _padded(prompts: list[list[int]]) -> np.ndarray:
-    out = np.full((len(prompts), max(map(len, prompts))), PAD, np.int32)
-    for b, p in enumerate(prompts):
-        out[b, : len(p)] = p
-    return out
 
 
 def test_instella_cached_logits_equal_full_forward(instella):
     """Instella-MoE (attention gate, FarSkip on every layer): prefill of a prefix, then token by token
     through the latent-cache decode; every position's logits equal the uncached forward's."""
     model = instella["model"]
-    ids = jnp.asarray(instella["ids"][:1, :12])
-    full, k, t = jax_logits(model, np.asarray(ids)), 5, ids.shape[1]
-
-    @nnx.jit(static_argnames="prefill")
-    def run(model, ids, pos, caches, prefill):
-        hidden, caches = model.cached_forward(ids, pos, caches, prefill=prefill)
-        return model.logits(hidden), caches
-
-    caches = tuple(empty_cache(model.cfg, 1, t, jnp.float32) for _ in range(model.cfg.num_layers))
-    logits, caches = run(model, ids[:, :k], jnp.arange(k, dtype=jnp.int32)[None], caches, True)
-    got = [np.asarray(logits)]
-    for i in range(k, t):
-        logits, caches = run(model, ids[:, i : i + 1], jnp.full((1, 1), i, jnp.int32), caches, False)
-        got.append(np.asarray(logits))
-    err = max_abs_err(np.concatenate(got, axis=1), full)
+    ids = instella["ids"][:1, :12]
+    err = max_abs_err(cached_logits(model, ids, prefix=5), jax_logits(model, ids))
     record("dsv3_cached_logits", "instella_farskip", err)
     assert err <= 1e-5
 
@@ -409,12 +390,12 @@ def test_greedy_generation_is_hf_generate_and_tp2(tmp_path_factory, instella):
     HF generate. Instella-MoE with TP=2 (heads, the gate's rows and the experts over `tensor`)
     generates exactly what one device does."""
     case = _variant("grouped_norm", tmp_path_factory)
-    out = Generator(case["model"]).generate(_padded(PROMPTS), NEW)
+    out = Generator(case["model"]).generate(padded_prompts(), NEW)
     for b, p in enumerate(PROMPTS):
         with torch.no_grad():
             ref = case["hf"].generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False,
                                       eos_token_id=None, pad_token_id=0).numpy()[0]
         assert np.array_equal(out[b, : len(p) + NEW], ref), (b, out[b], ref)
-    one = Generator(instella["model"]).generate(_padded(PROMPTS), NEW)
+    one = Generator(instella["model"]).generate(padded_prompts(), NEW)
     tp = Generator(farskip_jax.from_pretrained(instella["dir"]), mesh=make_mesh(MeshConfig(tensor=2)))
-    np.testing.assert_array_equal(tp.generate(_padded(PROMPTS), NEW), one)
+    np.testing.assert_array_equal(tp.generate(padded_prompts(), NEW), one)

@@ -26,10 +26,13 @@ import torch
 from flax import nnx
 from hf_tiny import (
     PLAIN_ROPE,
+    PROMPTS,
     build_llama4,
+    cached_logits,
     hf_logits,
     jax_logits,
     max_abs_err,
+    padded_prompts,
     random_ids,
     record,
     save_hf,
@@ -318,7 +321,6 @@ def test_farskip_export_runs_farskip_in_transformers(text_case, tmp_path, monkey
 # --------------------------------------------------------------------------------------------
 # Generation over the GQA key/value cache: the chunk mask and the temperature in decode too
 
-PROMPTS = [[5, 17, 3, 60, 22, 9, 41], [12, 7], [33, 2, 90, 14, 8]]
 NEW = 8
 
 
@@ -327,26 +329,9 @@ def test_cached_logits_equal_full_forward(text_case):
     """FarSkip model: prefill of 5 tokens (past the first chunk of 4), then token by token through the
     KV-cache decode across three more chunk boundaries; every position's logits equal the uncached
     forward's."""
-    import jax.numpy as jnp
-
-    from farskip_jax.model.transformer import empty_cache
-
     model = farskip_jax.from_pretrained(text_case["dir"], **{"farskip.enabled": True})
-    ids = jnp.asarray(text_case["ids"][:1], jnp.int32)
-    full, k, t = jax_logits(model, np.asarray(ids)), 5, ids.shape[1]
-
-    @nnx.jit(static_argnames="prefill")
-    def run(model, ids, pos, caches, prefill):
-        hidden, caches = model.cached_forward(ids, pos, caches, prefill=prefill)
-        return model.logits(hidden), caches
-
-    caches = tuple(empty_cache(model.cfg, 1, t, jnp.float32) for _ in range(model.cfg.num_layers))
-    logits, caches = run(model, ids[:, :k], jnp.arange(k, dtype=jnp.int32)[None], caches, True)
-    got = [np.asarray(logits)]
-    for i in range(k, t):
-        logits, caches = run(model, ids[:, i : i + 1], jnp.full((1, 1), i, jnp.int32), caches, False)
-        got.append(np.asarray(logits))
-    err = max_abs_err(np.concatenate(got, axis=1), full)
+    ids = text_case["ids"][:1]
+    err = max_abs_err(cached_logits(model, ids, prefix=5), jax_logits(model, ids))
     record("llama4_cached_logits", "farskip_full", err)
     assert err <= 1e-5
 
@@ -356,12 +341,10 @@ def test_greedy_generation_is_hf_generate_and_tp2(text_case):
     """Greedy output of right-padded prompts (15 positions: four chunks) is token-identical to HF
     generate, on one device and with TP=2."""
     from farskip_jax.config import MeshConfig
-    from farskip_jax.generation import PAD, Generator
+    from farskip_jax.generation import Generator
     from farskip_jax.parallel import make_mesh
 
-    padded = np.full((len(PROMPTS), max(map(len, PROMPTS))), PAD, np.int32)
-    for b, p in enumerate(PROMPTS):
-        padded[b, : len(p)] = p
+    padded = padded_prompts()
     out = Generator(farskip_jax.from_pretrained(text_case["dir"])).generate(padded, NEW)
     for b, p in enumerate(PROMPTS):
         with torch.no_grad():

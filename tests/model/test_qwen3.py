@@ -19,16 +19,18 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from flax import nnx
 from hf_tiny import (
+    PROMPTS,
     build_qwen3,
+    cached_logits,
     hf_logits,
     jax_logits,
     max_abs_err,
+    padded_prompts,
     random_ids,
     record,
     save_hf,
@@ -41,9 +43,8 @@ from farskip_jax.checkpoint.convert import convert_hf_to_orbax
 from farskip_jax.checkpoint.hf_io import TensorSource
 from farskip_jax.checkpoint.to_hf import convert_orbax_to_hf
 from farskip_jax.config import MeshConfig, ModelConfig
-from farskip_jax.generation import PAD, Generator
+from farskip_jax.generation import Generator
 from farskip_jax.model.farskip import REGULAR
-from farskip_jax.model.transformer import empty_cache
 from farskip_jax.parallel import make_mesh
 
 BAR = 1e-4
@@ -233,36 +234,15 @@ def test_farskip_export_runs_farskip_in_transformers(fs_case, tmp_path, monkeypa
 # --------------------------------------------------------------------------------------------
 # Generation over the GQA key/value cache
 
-PROMPTS = [[5, 17, 3, 60, 22, 9, 41], [12, 7], [33, 2, 90, 14, 8]]
 NEW = 8
-
-
-def _padded(prompts: list[list[int]]) -> np.ndarray:
-    out = np.full((len(prompts), max(map(len, prompts))), PAD, np.int32)
-    for b, p in enumerate(prompts):
-        out[b, : len(p)] = p
-    return out
 
 
 def test_cached_logits_equal_full_forward(fs_case):
     """FarSkip model: prefill of a prefix, then token by token through the KV-cache decode; every
     position's logits equal the uncached forward's."""
     model = farskip_jax.from_pretrained(fs_case["dir"], **{"farskip.enabled": True})
-    ids = jnp.asarray([PROMPTS[0] + [1, 2, 3, 4]], jnp.int32)
-    full, k, t = jax_logits(model, np.asarray(ids)), 4, ids.shape[1]
-
-    @nnx.jit(static_argnames="prefill")
-    def run(model, ids, pos, caches, prefill):
-        hidden, caches = model.cached_forward(ids, pos, caches, prefill=prefill)
-        return model.logits(hidden), caches
-
-    caches = tuple(empty_cache(model.cfg, 1, t, jnp.float32) for _ in range(model.cfg.num_layers))
-    logits, caches = run(model, ids[:, :k], jnp.arange(k, dtype=jnp.int32)[None], caches, True)
-    got = [np.asarray(logits)]
-    for i in range(k, t):
-        logits, caches = run(model, ids[:, i : i + 1], jnp.full((1, 1), i, jnp.int32), caches, False)
-        got.append(np.asarray(logits))
-    err = max_abs_err(np.concatenate(got, axis=1), full)
+    ids = np.asarray([PROMPTS[0] + [1, 2, 3, 4]], np.int32)
+    err = max_abs_err(cached_logits(model, ids, prefix=4), jax_logits(model, ids))
     record("qwen3_cached_logits", "farskip_full", err)
     assert err <= 1e-5
 
@@ -272,7 +252,7 @@ def test_greedy_generation_is_hf_generate_and_tp2(fs_case):
     TP=2 (query and key/value heads, and the KV caches, split over tensor) and with TP=4 (each of
     the 2 key/value heads and its cache copied to two ranks)."""
     gen = Generator(farskip_jax.from_pretrained(fs_case["dir"]))
-    out = gen.generate(_padded(PROMPTS), NEW)
+    out = gen.generate(padded_prompts(), NEW)
     for b, p in enumerate(PROMPTS):
         with torch.no_grad():
             ref = fs_case["hf"].generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False,
@@ -280,4 +260,4 @@ def test_greedy_generation_is_hf_generate_and_tp2(fs_case):
         assert np.array_equal(out[b, : len(p) + NEW], ref), (b, out[b], ref)
     for tensor in (2, 4):
         tp = Generator(farskip_jax.from_pretrained(fs_case["dir"]), mesh=make_mesh(MeshConfig(tensor=tensor)))
-        np.testing.assert_array_equal(tp.generate(_padded(PROMPTS), NEW), out)
+        np.testing.assert_array_equal(tp.generate(padded_prompts(), NEW), out)
