@@ -21,9 +21,10 @@ from flax import nnx
 
 from farskip_jax.config import load_config, parse_overrides
 from farskip_jax.inspect import hlo
-from farskip_jax.inspect.steps import BATCH_FIELDS, model_for
+from farskip_jax.inspect.steps import model_for
 from farskip_jax.model.transformer import Transformer
 from farskip_jax.train.optim import lr_schedule, make_optimizer
+from farskip_jax.train.program import BATCH_FIELDS
 from farskip_jax.train.step import LossSpec, make_train_step
 
 

@@ -21,9 +21,7 @@ from jax.sharding import PartitionSpec as P
 from farskip_jax.config import Config, ModelConfig
 from farskip_jax.model.dispatch import rows_per_expert
 from farskip_jax.model.transformer import Transformer, with_farskip
-from farskip_jax.parallel import BATCH_AXES, ExpertParallel, param_specs_tree, replicate_kv_heads, tp_forward
-
-BATCH_FIELDS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
+from farskip_jax.parallel import param_specs_tree, replicate_kv_heads, tp_forward
 
 
 def model_for(cfg: ModelConfig, mode: str) -> ModelConfig:
@@ -46,40 +44,13 @@ def _abstract_model(mcfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
 
 def build_train_step(cfg: Config, seqs_per_device: int, seq_len: int
                      ) -> Callable[[Mesh, str], tuple[Any, Sequence[Any]]]:
-    """The trainer's step (forward + backward + AdamW update) in `lm` mode under expert parallelism.
-
-    The `lm` loss (student only) is used so that the report shows the student's own collectives;
-    FCSD adds a teacher forward whose regular connectivity would be reported alongside.
+    """The trainer's step (forward + backward + AdamW update, ZeRO-1, expert parallel) with the `lm`
+    loss, student only, so that the report shows the student's own collectives; FCSD adds a teacher
+    forward (`build_fcsd_step`). It is the step train.py runs in `lm` mode, with the trainer's
+    layouts for every output, so the updated experts and their moments stay split over `expert`.
     """
-    from farskip_jax.train.optim import lr_schedule, make_optimizer
-    from farskip_jax.train.step import LossSpec, make_train_step
-
-    tc = dataclasses.replace(cfg.train, mode="lm")
-
-    def build(mesh: Mesh, mode: str):
-        mcfg = model_for(cfg.model, mode)
-        graphdef, params = _abstract_model(mcfg)
-        p_shard = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs_tree(params, "ep"),
-                               is_leaf=lambda x: isinstance(x, P))
-        tx = make_optimizer(tc, params)
-        opt = jax.eval_shape(tx.init, params)
-        replicated = NamedSharding(mesh, P())
-        opt_shard = jax.tree.map(lambda _: replicated, opt)
-        # Adam moments follow their parameters' shardings where the shapes line up.
-        opt_shard = _match_param_shardings(opt, params, p_shard, replicated)
-        scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-        state = {"params": _abstract(params, p_shard), "opt_state": _abstract(opt, opt_shard),
-                 "step": scalar, "skipped": scalar}
-        n_batch = seqs_per_device * mesh.shape["data"] * mesh.shape["expert"]
-        bsh = NamedSharding(mesh, P(None, BATCH_AXES))
-        field = jax.ShapeDtypeStruct((1, n_batch, seq_len), jnp.int32, sharding=bsh)
-        batch = dict.fromkeys(BATCH_FIELDS, field)
-        spec = LossSpec.from_train(tc, cached_teacher=False)
-        step = make_train_step(spec, graphdef, None, tx, lr_schedule(tc), parallel=ExpertParallel(mesh))
-        loss_scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
-        return step, (state, None, batch, loss_scale)
-
-    return build
+    lm = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, mode="lm"))
+    return build_fcsd_step(lm, seqs_per_device, seq_len)
 
 
 def build_fcsd_step(cfg: Config, seqs_per_device: int, seq_len: int
@@ -117,14 +88,6 @@ def balanced_grouped_fill(cfg: ModelConfig, mesh: dict[str, int], expert_paralle
     local = e // g
     per_src = min(tokens * min(k, local), local * rows_per_expert(tokens, seq_len, cfg))
     return min(1.0, tokens * k / (g * per_src))
-
-
-def _match_param_shardings(opt: Any, params: Any, p_shard: Any, default: NamedSharding) -> Any:
-    by_shape: dict[tuple, NamedSharding] = {}
-    for leaf, sh in zip(jax.tree.leaves(params), jax.tree.leaves(p_shard), strict=True):
-        if sh.spec != P():
-            by_shape[tuple(leaf.shape)] = sh
-    return jax.tree.map(lambda x: by_shape.get(tuple(x.shape), default), opt)
 
 
 def build_prefill_step(cfg: Config, batch: int, seq_len: int

@@ -79,11 +79,24 @@ def test_farskip_all_to_alls_are_async_with_compute_between(train_reports):
 
 
 def test_farskip_hides_more_all_to_all_time_than_regular(train_reports):
-    far = train_reports["farskip"]["totals"]["by_kind"]["all-to-all"]["hidden_frac"]
+    """The trainer's own step (ZeRO-1, outputs in the trainer's layouts). Every Combine but the last
+    backward one is fully hidden in FarSkip; a forward Dispatch is covered only by its layer's router
+    and shared expert, because XLA's GPU scheduler keeps one collective in flight
+    (xla_gpu_experimental_parallel_collective_overlap_limit=1) and gives the next layer's attention,
+    the one long op, to the Combine before it. With 2 MoE layers that puts the total at 86% (H200,
+    jaxlib 0.10.2); regular connectivity hides 55%."""
+    far_rep = train_reports["farskip"]
+    far = far_rep["totals"]["by_kind"]["all-to-all"]["hidden_frac"]
     reg = train_reports["regular"]["totals"]["by_kind"]["all-to-all"]["hidden_frac"]
     print(f"OVERLAP train all-to-all hidden: farskip {far:.3f} regular {reg:.3f}")
-    assert far > 0.90
-    assert far > reg
+    a2a = [c for c in _kind(far_rep, "all-to-all") if c["bytes"] > 2**20]
+    last_bwd_combine = max((c for c in a2a if c["role"] == "combine" and c["direction"] == "bwd"),
+                           key=lambda c: c["start_index"])
+    for c in a2a:
+        if c["role"] == "combine" and c is not last_bwd_combine:
+            assert c["hidden_frac"] > 0.99, (c["name"], c["direction"], c["hidden_frac"])
+    assert far > 0.85
+    assert far > reg + 0.25
 
 
 def test_prefill_psums_hide_up_to_their_dependency_bound(prefill_reports):
