@@ -78,32 +78,36 @@ def write_jsonl(path: Path, examples: list[tuple[list[str], list[str]]]) -> None
                                              {"role": "assistant", "content": " ".join(a)}]}) + "\n")
 
 
-def prepare(out_dir: Path, demo: dict[str, Any], seed: int) -> dict[str, Any]:
+def prepare(out_dir: Path, demo: dict[str, Any], seed: int, exclude: set[tuple[str, ...]] | None = None
+            ) -> dict[str, Any]:
     """Writes tokenizer.json and, per task set, <name>_train/_eval/_test.jsonl under out_dir.
 
     `demo["tasks"]` are the operations the data mixes (e.g. [rev]); every op in `demo.get("test_tasks",
     tasks)` also gets its own encoded test set. Returns paths, the vocabulary size and the encoded test sets
-    by op (see `encode`)."""
+    by op (see `encode`) and their prompts (`test_prompts`). Prompts in `exclude` (another data set's
+    held-out prompts) are kept out of the training and eval data."""
     out_dir.mkdir(parents=True, exist_ok=True)
     n_sym, lo, hi = int(demo["symbols"]), int(demo["min_len"]), int(demo["max_len"])
     syms, ops = symbols(n_sym), list(demo["tasks"])
     unknown = sorted(set(ops) - set(OPS))
     if unknown:
         raise ValueError(f"demo.tasks: unknown {unknown}; known {sorted(OPS)}")
-    train = _examples(int(demo["n_train"]), seed, ops, syms, lo, hi)
+    train = _examples(int(demo["n_train"]), seed, ops, syms, lo, hi, exclude=exclude)
     train_set = {tuple(p) for p, _ in train}
-    evals = _examples(int(demo["n_eval"]), seed + 1, ops, syms, lo, hi, exclude=train_set)
+    evals = _examples(int(demo["n_eval"]), seed + 1, ops, syms, lo, hi,
+                      exclude=train_set | (exclude or set()))
     tok = out_dir / "tokenizer.json"
     write_tokenizer(tok, n_sym)
     for name, ex in (("train", train), ("eval", evals)):
         write_jsonl(out_dir / f"{name}.jsonl", ex)
-    tests = {}
+    tests, test_prompts = {}, set()
     for k, op in enumerate(demo.get("test_tasks", ops)):
         test = _examples(int(demo["n_test"]), seed + 2 + k, [op], syms, lo, hi, exclude=train_set)
         write_jsonl(out_dir / f"test_{op}.jsonl", test)
         tests[op] = encode(test, vocab(n_sym), 2 * hi + 5)
+        test_prompts |= {tuple(p) for p, _ in test}
     return {"tokenizer": str(tok), "train": str(out_dir / "train.jsonl"), "eval": str(out_dir / "eval.jsonl"),
-            "vocab_used": len(vocab(n_sym)), "tests": tests}
+            "vocab_used": len(vocab(n_sym)), "tests": tests, "test_prompts": test_prompts}
 
 
 def encode(examples: list[tuple[list[str], list[str]]], voc: dict[str, int], length: int

@@ -138,8 +138,8 @@ def test_nonfinite_guard(cfg_for, tmp_path, monkeypatch):
                                        "train.max_nonfinite_in_row": 3})
     with pytest.raises(trainer_mod.NonFiniteError, match="3 non-finite steps in a row"):
         trainer_mod.train(cfg)
-    rows = {r["step"]: r for r in map(json.loads, (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines())
-            if r["kind"] == "train"}
+    lines = (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()
+    rows = {r["step"]: r for r in map(json.loads, lines) if r["kind"] == "train"}
     assert sorted(rows) == [1, 2, 3, 4, 5, 6]
     assert [rows[s]["skipped"] for s in sorted(rows)] == [0, 1, 1, 2, 3, 4]
     assert np.isfinite(rows[3]["loss"]) and np.isfinite(rows[1]["loss"])  # the step after a skip trains
