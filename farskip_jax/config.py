@@ -572,8 +572,14 @@ class Config:
 
 
 def _to_dict(obj: Any) -> Any:
+    # Fresh containers all the way down: a config's dict sections (`data`, `demo`) must not be shared
+    # with the result, or editing the dict (`demo.pipeline.derive`) would edit the config it came from.
     if dataclasses.is_dataclass(obj):
         return {f.name: _to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {k: _to_dict(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_to_dict(v) for v in obj)
     return obj
 
 

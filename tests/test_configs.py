@@ -185,6 +185,24 @@ def test_parse_overrides_and_apply():
         parse_overrides(["model.num_layers"])
 
 
+def test_a_derived_config_leaves_its_base_alone():
+    """Deriving a stage's config from a base (the demo, reproduce and the ablations derive many from
+    one) edits a copy: the base's dict sections (`data`, `demo`) were once shared, so one stage's
+    data.batch_size leaked into every later stage."""
+    from farskip_jax.config import to_dict
+    from farskip_jax.demo.pipeline import derive
+
+    base = load_config("tiny_demo")
+    before = to_dict(base)
+    child = derive(base, {"data.batch_size": 4, "demo.tasks": ["cpy"], "train.total_steps": 3})
+    assert (child.data["batch_size"], child.demo["tasks"], child.train.total_steps) == (4, ["cpy"], 3)
+    assert to_dict(base) == before and base.data["batch_size"] == 16 and base.demo["tasks"] == ["rev"]
+    tree = to_dict(base)
+    tree["data"]["paths"] = ["elsewhere"]
+    tree["demo"]["teacher"]["train"]["total_steps"] = 1
+    assert to_dict(base) == before
+
+
 def test_hf_round_trip_preserves_fields():
     cfg = load_config("tiny", {"model.rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 64,
                                                       "mscale": 0.707, "mscale_all_dim": 0.707},
