@@ -27,7 +27,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-# REPRODUCE_FLAGS=--ablations adds section (f)'s FCSD ablation runs (~1 h on 2 cores, resumable);
+# REPRODUCE_FLAGS=--ablations adds section (f)'s FCSD ablation runs (~45 min on 2 cores, resumable);
 # REPRODUCE_FLAGS=--sparsity-sweep adds section (e)'s deviceless compiles (bench/sparsity_sweep.py,
 # ~30 min on 2 cores, resumable); without it (e) is rewritten from results/sparsity_sweep.json.
 REPRODUCE_FLAGS ?=
