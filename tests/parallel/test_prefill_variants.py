@@ -77,7 +77,13 @@ def test_plain_tp_equals_single_device(reference):
     assert float(jnp.max(jnp.abs(single))) > 0.1  # logits of order one: the bar means something
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+# Four micro-batches and micro-batches with reduce-scatter are `slow` (CI time budget): each of their
+# two ingredients has its own default case.
+SLOW_VARIANTS = {"microbatches_4", "microbatches_2_reduce_scatter"}
+
+
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=[pytest.mark.slow] if v in SLOW_VARIANTS else [])
+                                     for v in VARIANTS])
 def test_variant_equals_plain_tp(reference, variant, mesh, ids):
     connectivity, state, single, plain = reference
     logits = _tp_logits(_cfg(connectivity, **VARIANTS[variant]), state, mesh, ids)
