@@ -223,7 +223,9 @@ def section(out: Path) -> list[str]:
         "order and the student's randomness; all arms share it, so differences are paired. Exact match of "
         f"free-running greedy answers on {n_test} held-out prompts per skill (none in any distillation "
         "data). Mean ± half-width of the 95% Student-t interval over seeds. A verdict is 'agrees' or "
-        "'disagrees' only where the interval of the paired difference excludes 0. The last-75% arm also "
+        "'disagrees' only where the interval of the paired difference excludes 0 (each interval is for "
+        "its own comparison: with 8 judged comparisons, about one in three such tables would show a false "
+        "verdict somewhere if no effect were real). The last-75% arm also "
         "starts ahead: untrained, FarSkip on the last 3 of 4 layers keeps part of reversal where all 4 keep "
         "nothing (section (a)), so its lead is head start and recovery together, as in the paper's setting.",
         ""]

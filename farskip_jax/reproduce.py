@@ -168,7 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     overrides = REPRO_SETTINGS + (QUICK if args.quick else []) + args.overrides
     t0 = time.perf_counter()
-    log_f = open(out / "reproduce.log", "w")  # noqa: SIM115 - closed at the end of main
+    # --report-only keeps the training run's log (and appends its own lines).
+    log_f = open(out / "reproduce.log", "a" if args.report_only else "w")  # noqa: SIM115 - closed below
 
     def log(msg: str) -> None:
         line = f"[{time.perf_counter() - t0:7.1f}s] {msg}"
@@ -476,7 +477,8 @@ def write_report(out: Path, cfg: Config, runs: list[dict[str, Any]], note: str, 
            f"({ablations.verdict(kl_sft, True)}); on cpy {ci_text(kl_sft_cpy)}. Conversion erases cpy for "
            "every seed (0.000) and nothing here teaches it back, so cpy is ~0 for every objective and this "
            "comparison cannot show forgetting: section (f) decides these findings with a data mix that "
-           f"touches the second skill and {ablations.STUDENT_STEPS}-step runs over more seeds.",
+           "touches the second skill and "
+           f"{' and '.join(map(str, ablations.STUDENT_STEPS))}-step runs over more seeds.",
            "![objectives](objectives.png)", ""]
     labels = [n.replace(" (", "\n(") for n, _ in rows]
     for op in ("rev", "cpy"):
@@ -537,7 +539,8 @@ def write_report(out: Path, cfg: Config, runs: list[dict[str, Any]], note: str, 
                "collective and compute times, not a measurement (`compare.md`; trace: "
                "`report_farskip.trace.json.gz`, open in ui.perfetto.dev). XLA already hides most of the "
                "regular model's exchanges behind other work, so the difference is smaller than the "
-               "paper's.",
+               "paper's. The estimated step is long because the dropless expert GEMM is priced at its "
+               "worst-case rows on CUDA (BENCHMARKS.md B and F).",
                "![overlap](overlap.png)", ""]
         import matplotlib.pyplot as plt
 
