@@ -163,6 +163,10 @@ def test_early_stopping_in_loop(cfg_for, tmp_path, monkeypatch):
     assert Path(s["best_checkpoint"]).is_dir()
 
 
+# `slow` (CI time budget): the pieces are default tests elsewhere: EP forward and gradients equal one
+# device (tests/parallel/test_exactness.py), the sharded update equals the replicated one
+# (test_zero1.py), and EP training over two processes equals one process (test_multiprocess.py).
+@pytest.mark.slow
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices")
 def test_expert_parallel_matches_single_device(cfg_for, tmp_path, reference):
     cfg = cfg_for(tmp_path / "ep8", **{"mesh.expert": 8, "train.total_steps": 3, "train.eval_every": 100})
