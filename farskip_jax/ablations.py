@@ -50,17 +50,23 @@ COPY_SHARE = 10  # one copy example in COPY_SHARE of the distillation data
 TEACHER_SEED = 0
 
 
-def arms(cfg: Config) -> dict[str, dict[str, Any]]:
-    """Arm name -> the trainer overrides that make it (on top of the KL student)."""
-    bs, n_layers = int(cfg.data["batch_size"]), cfg.model.num_layers
+def _arms(batch_size: int, num_layers: int) -> dict[str, dict[str, Any]]:
     return {
         "KL (FCSD)": {},
         "SFT": {"train.mode": "sft"},
         "KL + L2 hidden": {"train.hidden_l2_weight": 1.0},
-        "KL, last 75% of layers": {"model.farskip.last_n": round(0.75 * n_layers)},
-        "KL, batch x0.25": {"data.batch_size": max(1, bs // 4)},
-        "KL, batch x4": {"data.batch_size": 4 * bs},
+        "KL, last 75% of layers": {"model.farskip.last_n": round(0.75 * num_layers)},
+        "KL, batch x0.25": {"data.batch_size": max(1, batch_size // 4)},
+        "KL, batch x4": {"data.batch_size": 4 * batch_size},
     }
+
+
+def arms(cfg: Config) -> dict[str, dict[str, Any]]:
+    """Arm name -> the trainer overrides that make it (on top of the KL student)."""
+    return _arms(int(cfg.data["batch_size"]), cfg.model.num_layers)
+
+
+ARM_NAMES = tuple(_arms(1, 1))  # the report's order
 
 
 def slug(name: str) -> str:
@@ -236,7 +242,7 @@ def section(out: Path) -> list[str]:
     verdicts: dict[str, list[str]] = {}
     for steps in sorted(res):
         by_arm = res[steps]
-        order = [a for a in _arm_order() if a in by_arm]
+        order = [a for a in ARM_NAMES if a in by_arm]
         seeds = sorted(set.union(*(set(v) for v in by_arm.values())))
         md += [f"### {steps} distillation steps ({len(seeds)} seeds)", "",
                f"| arm | rev (trained on) | cpy (1 in {COPY_SHARE} of the data) | average | seeds |",
@@ -262,10 +268,6 @@ def section(out: Path) -> list[str]:
     return md
 
 
-def _arm_order() -> list[str]:
-    return list(arms(load_config("tiny_demo")))
-
-
 def _plot(out: Path, res: Results) -> None:
     import matplotlib
 
@@ -275,7 +277,7 @@ def _plot(out: Path, res: Results) -> None:
     fig, axes = plt.subplots(1, len(res), figsize=(8 * len(res), 3.8), squeeze=False)
     for ax, steps in zip(axes[0], sorted(res), strict=True):
         by_arm = res[steps]
-        order = [a for a in _arm_order() if a in by_arm]
+        order = [a for a in ARM_NAMES if a in by_arm]
         xs = range(len(order))
         for k, (op, label) in enumerate((("rev", "rev (trained on)"), ("cpy", f"cpy (1 in {COPY_SHARE})"))):
             ms = [interval([by_arm[a][s][op] for s in sorted(by_arm[a])]) for a in order]
