@@ -26,18 +26,22 @@ How (``compile_with_synthetic_pgle``):
    its trip count times its body. Uncovered instructions would fall back to the T-shirt units read
    as microseconds (a GEMM would become 1000 us), hence step 3's strict checker.
 3. Write ``<dir>/<fingerprint_before_lhs>.pbtxt`` (text ``ProfiledInstructionsProto``; the file must
-   end in ``.pbtxt`` or ``.pb`` or XLA silently ignores it). Every name is written as
-   ``<fingerprint>::<name>``: XLA drops entries whose prefix is not the module's fingerprint, so a
-   profile made for another module (other flags, code, jax version or target spec) cannot apply
-   half-matching names; it empties instead, and the strict checker then fails the compile.
+   end in ``.pbtxt`` or ``.pb`` or XLA silently ignores it), one ``costs`` entry per instruction
+   under its plain name. (jaxlib 0.10.2 also matched ``<fingerprint>::<name>`` entries; 0.12 finds
+   none of them, measured: "Found 0 instructions from the profile".) What keeps a profile from
+   applying to another module is step 4's checker: a module whose instructions the profile does not
+   name fails the compile.
 4. Recompile with ``xla_gpu_pgle_profile_file_or_directory_path=<file>`` and
    ``xla_gpu_pgle_accuracy_checker=PGLE_STRICTNESS_LEVEL_ERROR``: a single instruction without a
    cost fails the compile ("Found N missing instructions. Discarding the profile.") instead of
    silently scheduling it with T-shirt units. A valid profile also switches LHS on by itself.
-   The ERROR level also turns on a post-scheduling verifier that HLO rematerialization trips
-   whenever the step exceeds the memory limit ("Expected instruction name to remain the same ...
-   Failed after remat-pipeline", openxla/xla#23989; seen on the full DSV2-Lite step with ragged
-   dispatch). The checker has passed by then, so the profile is applied again at WARN level.
+   The ERROR level also turns on a verifier, run after each later pass, that every instruction
+   keeps its scheduling name. Passes after the scheduler rename some: on 0.12 the
+   async-to-sync converter renames every start/done pair it makes synchronous ("Was
+   'all-to-all-start' is 'all_to_all.21.2'. Failed after async-to-sync-converter"), and HLO
+   rematerialization renames its clones when the step exceeds the memory limit
+   (openxla/xla#23989). The coverage check has passed by then, so the profile is applied again at
+   WARN level, and the result says so (``PgleCompile.checker``).
 
 Caveats: the profile and the inspector's overlap measurement use the same roofline, so "PGLE hides
 more" means "the scheduler now agrees with the inspector", not a measured speed-up. Kernel launch
@@ -175,15 +179,11 @@ def profile_costs(hlo_text: str, target: str, grouped_fill: float = 1.0) -> dict
     return costs
 
 
-def profile_text(costs: dict[str, float], fingerprint: str, comment: str = "") -> str:
-    """Text-format ``tensorflow.profiler.ProfiledInstructionsProto`` with one ``costs`` entry per op.
-
-    Names carry the ``<fingerprint>::`` prefix XLA's FilterWithFingerprint understands, so the file
-    applies to this module only.
-    """
+def profile_text(costs: dict[str, float], comment: str = "") -> str:
+    """Text-format ``tensorflow.profiler.ProfiledInstructionsProto`` with one ``costs`` entry per op."""
     lines = [f"# {line}" for line in comment.splitlines()]
     for name, us in costs.items():
-        lines.append(f'costs {{ name: "{fingerprint}::{name}" cost_us: {us:.6g} }}')
+        lines.append(f'costs {{ name: "{name}" cost_us: {us:.6g} }}')
     return "\n".join(lines) + "\n"
 
 
@@ -201,7 +201,7 @@ def write_profile(hlo_text: str, target: str, directory: str | Path | None = Non
                f"fingerprint_before_lhs {fingerprint}, {len(costs)} instructions, roofline + link model, "
                f"grouped GEMMs at {grouped_fill:.4g} of their static rows")
     path = d / f"{fingerprint}.pbtxt"
-    path.write_text(profile_text(costs, fingerprint, comment))
+    path.write_text(profile_text(costs, comment))
     return str(path)
 
 
@@ -256,9 +256,10 @@ def compile_with_synthetic_pgle(jitted_fn: Any, *arg_specs: Any, target: str,
     equivalent XLA_FLAGS, since the dump compile needs the latency-hiding scheduler on (not
     exercised here: this project's CI has no GPU). Raises ``PgleError`` when XLA rejects the
     profile (a missing instruction under the strict checker): that means the second compile's
-    module differs from the first, which the caller must not paper over. When the step exceeds the
-    memory limit, XLA's rematerialization trips a name verifier that only the ERROR level enables;
-    the profile is then applied at WARN level after the ERROR check passed (``checker`` says so).
+    module differs from the first, which the caller must not paper over. When a pass after the
+    scheduler renames instructions (the async-to-sync converter, rematerialization), the name
+    verifier that only the ERROR level enables fails the compile; the profile is then applied at WARN
+    level after the ERROR level's coverage check passed (``checker`` says so).
     """
     cost_target = cost_target or target
     if target not in ("h200", "mi300x", "local") or cost_target not in ("h200", "mi300x"):
@@ -274,17 +275,16 @@ def compile_with_synthetic_pgle(jitted_fn: Any, *arg_specs: Any, target: str,
         art = _compile_with_profile(jitted_fn, arg_specs, target, base_opts, path, STRICT_OPTIONS,
                                     default_options, dump_lhs_schedule, keep_executable)
     except PgleError as e:
-        if _NAME_VERIFIER not in str(e) or "remat" not in str(e):
+        if _NAME_VERIFIER not in str(e):
             raise
-        # With the ERROR level XLA also runs a verifier after the scheduler that requires every
-        # instruction to keep its scheduling name, and HLO rematerialization (run when the step
-        # exceeds the memory limit) renames clones: "Expected instruction name to remain the same"
-        # (openxla/xla#23989). The accuracy checker runs before the scheduler, so reaching that
+        # The accuracy checker runs before the scheduler, so reaching the post-scheduling name
         # verifier means the profile covered every instruction; apply it again at WARN level,
-        # which keeps the check's log output but not the post-remat verifier.
+        # which keeps the check's log output but not the verifier (module docstring, step 4).
+        renamer = re.search(r"Failed after ([\w-]+)", str(e))
         art = _compile_with_profile(jitted_fn, arg_specs, target, base_opts, path, WARN_OPTIONS,
                                     default_options, dump_lhs_schedule, keep_executable)
-        checker = "error before scheduling; warn (rematerialization renamed instructions)"
+        checker = (f"error before scheduling; warn after ({renamer.group(1) if renamer else 'a later pass'} "
+                   "renamed instructions)")
     return PgleCompile(art, path, baseline, module_fingerprint(entry_text),
                        sum(1 for ln in Path(path).read_text().splitlines() if ln.startswith("costs")),
                        checker)

@@ -65,7 +65,8 @@ def memory_markdown(mem: dict[str, Any] | None) -> list[str]:
             f"of {size_str(mem['device_memory_size'])} HBM ({_pct(mem['fraction'])}); arguments "
             f"{size_str(mem['argument_bytes'])}, outputs {size_str(mem['output_bytes'])} (aliased to donated "
             f"arguments {size_str(mem['alias_bytes'])}), temporaries {size_str(mem['temp_bytes'])}, code "
-            f"{size_str(mem['generated_code_bytes'])}; peak from {mem['peak_source']}."]
+            f"{size_str(mem['generated_code_bytes'])}; peak = arguments + outputs - aliased + temporaries "
+            f"(XLA's simulated live peak: {size_str(mem.get('xla_live_peak_bytes') or 0)})."]
 
 
 def markdown(report: dict[str, Any], max_rows: int = 200) -> str:

@@ -2,11 +2,10 @@
 
 ``h200.txtpb`` / ``mi300x.txtpb`` are XLA ``GpuTargetConfig`` text protos: a deviceless compile
 takes its cost model and code generation from them, and the inspector reads the HBM size for its
-memory section. ``rocm7_plugin_imports_*.txt`` lists the ROCm functions the ROCm PJRT plugin
-imports (used by ``farskip_jax.inspect.rocm_standins``).
+memory section.
 
-This module imports nothing from JAX on purpose: ``rocm_standins`` reads the import list before JAX
-discovers its plugins, and it must not pull ``jax`` (or ``farskip_jax.inspect.aot``) in to do so.
+This module imports nothing from JAX on purpose: it is read before JAX discovers its plugins (the
+ROCm stand-ins must be in place by then), and it must not pull ``jax`` in to do so.
 """
 
 from __future__ import annotations

@@ -119,6 +119,22 @@ def test_transfer_model_mi300x_full_mesh() -> None:
         8e6 * 31 / 32 * 24 / 32 / 50e9 * 1e6 + 5)
 
 
+def test_group_size_reads_every_replica_group_notation() -> None:
+    """jaxlib 0.12 prints named mesh axes; 0.10 printed iota and explicit lists (all seen in real
+    deviceless compiles: tests/inspect/data and a 0.12 EP compile over a (data=2, expert=4) mesh)."""
+    def op(groups: str) -> hlo.Instr:
+        return hlo.Instr("a2a", "bf16[8]{0}", "all-to-all", ["x"],
+                         f"channel_id=1, replica_groups={groups}, dimensions={{0}}")
+
+    assert hlo.group_size(op("mesh['data'=2,'expert'=4] {'expert'}"), 99) == 4
+    assert hlo.group_size(op("mesh['data'=2,'expert'=4] {'data'}"), 99) == 2
+    assert hlo.group_size(op("mesh['data'=2,'expert'=4] {'data','expert'}"), 99) == 8
+    assert hlo.group_size(op("mesh['ep'=8] {'ep'}"), 99) == 8
+    assert hlo.group_size(op("[2,4]<=[8]"), 99) == 4
+    assert hlo.group_size(op("{{0,1,2,3,4,5,6,7}}"), 99) == 8
+    assert hlo.group_size(op("{}"), 99) == 99  # no groups: all partitions
+
+
 def test_infer_role() -> None:
     assert hlo.infer_role("jit(f)/transpose(jvp(x))/layer_12/combine/all_to_all") == (12, "combine", "bwd")
     assert hlo.infer_role("jit(f)/while/body/router/top_k") == (None, "router", "fwd")

@@ -29,6 +29,7 @@ from par_common import FAST, max_abs_err, record, run_fast, tiny
 
 from farskip_jax.config import MeshConfig
 from farskip_jax.model.dispatch import expert_capacity
+from farskip_jax.model import moe as moe_module
 from farskip_jax.model.moe import local_routed, route
 from farskip_jax.model.transformer import build_model
 from farskip_jax.parallel import ExpertParallel, batch_sharding, make_mesh, place
@@ -62,8 +63,39 @@ def mesh():
     return make_mesh(MeshConfig(expert=8))
 
 
+def capacity_margin(model, ids, cfg, monkeypatch) -> float:
+    """Smallest gap, over every MoE layer, sequence and expert, between the router weight of the last
+    kept and of the first dropped assignment (one device, eager).
+
+    Why: XLA:CPU's router matmul rounds differently for different row counts (jaxlib 0.12: logits
+    4.5e-8 apart between a 128-row and a 16-row shard of the same tokens), so an assignment pair
+    closer than that at a capacity boundary may flip between one device and EP; which one the rule
+    keeps is then decided by rounding, not by the rule. Random-router data must keep clear of that.
+    """
+    seen = []
+    real_route = moe_module.route
+
+    def spy(*args, **kwargs):
+        r = real_route(*args, **kwargs)
+        seen.append((np.asarray(r.experts_nk), np.asarray(r.weights_nk, np.float64)))
+        return r
+
+    monkeypatch.setattr(moe_module, "route", spy)
+    model(ids)
+    monkeypatch.setattr(moe_module, "route", real_route)
+    cap, margin = expert_capacity(T, cfg), np.inf
+    for experts, weights in seen:
+        for s in range(B):
+            e_s, w_s = experts[s * T:(s + 1) * T].ravel(), weights[s * T:(s + 1) * T].ravel()
+            for e in np.unique(e_s):
+                w = np.sort(w_s[e_s == e])[::-1]
+                if len(w) > cap:
+                    margin = min(margin, w[cap - 1] - w[cap])
+    return float(margin)
+
+
 @pytest.mark.parametrize("routers", ["zero", "random"])
-def test_step_drops_the_same_on_one_device_and_ep(mesh, routers):
+def test_step_drops_the_same_on_one_device_and_ep(mesh, routers, monkeypatch):
     cfg = tiny(True, num_layers=3, capacity_factor=CAPACITY_FACTOR)
     model = build_model(cfg)
     if routers == "zero":
@@ -72,7 +104,12 @@ def test_step_drops_the_same_on_one_device_and_ep(mesh, routers):
                 layer.moe.router[...] = jnp.zeros_like(layer.moe.router[...])
     graphdef, state = nnx.split(model, nnx.Param)
     par = ExpertParallel(mesh)
-    ids = jax.random.randint(jax.random.key(3), (B, T), 0, cfg.vocab_size)
+    # Seed 3 had a pair 0 apart at a boundary under jaxlib 0.12 (FarSkip layer 1; see capacity_margin).
+    ids = jax.random.randint(jax.random.key(4), (B, T), 0, cfg.vocab_size)
+    if routers == "random":
+        margin = capacity_margin(model, ids, cfg, monkeypatch)
+        print(f"PARALLEL_DROPS random routers: smallest kept-vs-dropped weight gap {margin:.3g}")
+        assert margin > 1e-6
 
     def step(parallel):
         def loss(s, ids):
