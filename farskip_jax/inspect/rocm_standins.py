@@ -227,8 +227,8 @@ def build(force: bool = False, verbose: bool = False) -> Path:
             syms = sorted(todo.functions[soname], key=lambda sv: (sv[0], sv[1] or ""))
             c_file, script = Path(tmp) / f"{soname}.c", Path(tmp) / f"{soname}.map"
             # every stand-in returns 100 = hipErrorNoDevice, an honest answer on a GPU-less host
-            c_file.write_text("".join(f"long {s}(void) {{ return 100; }}\n" for s in sorted({s for s, _ in syms}))
-                              or "static int unused;\n")
+            names = sorted({s for s, _ in syms})
+            c_file.write_text("".join(f"long {s}(void) {{ return 100; }}\n" for s in names) or "static int unused;\n")
             by_node: dict[str, list[str]] = {node: [] for node in todo.nodes[soname]}
             for s, v in syms:
                 if v:
@@ -236,8 +236,8 @@ def build(force: bool = False, verbose: bool = False) -> Path:
             cmd = [cc, "-shared", "-fPIC", "-O0", f"-Wl,-soname,{soname}", "-o", str(out_dir / soname),
                    str(c_file)]
             if by_node:
-                script.write_text("".join(f"{v} {{ {'global: ' + ' '.join(f'{s};' for s in ss) if ss else ''} }};\n"
-                                          for v, ss in sorted(by_node.items())))
+                node_text = lambda ss: "global: " + " ".join(f"{s};" for s in ss) if ss else ""  # noqa: E731
+                script.write_text("".join(f"{v} {{ {node_text(ss)} }};\n" for v, ss in sorted(by_node.items())))
                 cmd.insert(4, f"-Wl,--version-script={script}")
             if verbose:
                 print(" ".join(cmd), file=sys.stderr)

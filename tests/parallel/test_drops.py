@@ -28,8 +28,8 @@ from flax import nnx
 from par_common import FAST, max_abs_err, record, run_fast, tiny
 
 from farskip_jax.config import MeshConfig
-from farskip_jax.model.dispatch import expert_capacity
 from farskip_jax.model import moe as moe_module
+from farskip_jax.model.dispatch import expert_capacity
 from farskip_jax.model.moe import local_routed, route
 from farskip_jax.model.transformer import build_model
 from farskip_jax.parallel import ExpertParallel, batch_sharding, make_mesh, place
