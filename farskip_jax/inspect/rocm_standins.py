@@ -228,7 +228,8 @@ def build(force: bool = False, verbose: bool = False) -> Path:
             c_file, script = Path(tmp) / f"{soname}.c", Path(tmp) / f"{soname}.map"
             # every stand-in returns 100 = hipErrorNoDevice, an honest answer on a GPU-less host
             names = sorted({s for s, _ in syms})
-            c_file.write_text("".join(f"long {s}(void) {{ return 100; }}\n" for s in names) or "static int unused;\n")
+            body = "".join(f"long {s}(void) {{ return 100; }}\n" for s in names)
+            c_file.write_text(body or "static int unused;\n")  # a version-node-only library
             by_node: dict[str, list[str]] = {node: [] for node in todo.nodes[soname]}
             for s, v in syms:
                 if v:
@@ -236,8 +237,8 @@ def build(force: bool = False, verbose: bool = False) -> Path:
             cmd = [cc, "-shared", "-fPIC", "-O0", f"-Wl,-soname,{soname}", "-o", str(out_dir / soname),
                    str(c_file)]
             if by_node:
-                node_text = lambda ss: "global: " + " ".join(f"{s};" for s in ss) if ss else ""  # noqa: E731
-                script.write_text("".join(f"{v} {{ {node_text(ss)} }};\n" for v, ss in sorted(by_node.items())))
+                nodes = ["global: " + " ".join(f"{s};" for s in ss) if ss else "" for ss in by_node.values()]
+                script.write_text("".join(f"{v} {{ {n} }};\n" for v, n in sorted(zip(by_node, nodes))))
                 cmd.insert(4, f"-Wl,--version-script={script}")
             if verbose:
                 print(" ".join(cmd), file=sys.stderr)
