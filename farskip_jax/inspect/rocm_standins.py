@@ -238,7 +238,7 @@ def build(force: bool = False, verbose: bool = False) -> Path:
                    str(c_file)]
             if by_node:
                 nodes = ["global: " + " ".join(f"{s};" for s in ss) if ss else "" for ss in by_node.values()]
-                script.write_text("".join(f"{v} {{ {n} }};\n" for v, n in sorted(zip(by_node, nodes))))
+                script.write_text("".join(f"{v} {{ {n} }};\n" for v, n in sorted(zip(by_node, nodes, strict=True))))
                 cmd.insert(4, f"-Wl,--version-script={script}")
             if verbose:
                 print(" ".join(cmd), file=sys.stderr)
