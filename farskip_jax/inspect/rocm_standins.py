@@ -237,8 +237,9 @@ def build(force: bool = False, verbose: bool = False) -> Path:
             cmd = [cc, "-shared", "-fPIC", "-O0", f"-Wl,-soname,{soname}", "-o", str(out_dir / soname),
                    str(c_file)]
             if by_node:
-                nodes = ["global: " + " ".join(f"{s};" for s in ss) if ss else "" for ss in by_node.values()]
-                script.write_text("".join(f"{v} {{ {n} }};\n" for v, n in sorted(zip(by_node, nodes, strict=True))))
+                lines = [f"{v} {{ {'global: ' + ' '.join(f'{s};' for s in ss) if ss else ''} }};\n"
+                         for v, ss in sorted(by_node.items())]
+                script.write_text("".join(lines))
                 cmd.insert(4, f"-Wl,--version-script={script}")
             if verbose:
                 print(" ".join(cmd), file=sys.stderr)
