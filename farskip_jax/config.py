@@ -191,10 +191,13 @@ class ModelConfig:
     # Expert-parallel token exchange: ragged_all_to_all (GPU), per-destination buffers with a plain
     # all_to_all (works everywhere, XLA:CPU included), or auto = ragged on GPU meshes, padded elsewhere.
     ep_exchange: Literal["auto", "ragged", "padded"] = "auto"
-    # Attention core: blockwise (flash-style online softmax, O(T) memory), the [T, T] reference, or
-    # cuDNN fused attention. auto = blockwise on every backend: jax.nn's cuDNN path needs equal q/k/v
-    # head dims (MLA has 192 vs 128) and takes no segment ids (model/attention.py).
-    attention: Literal["auto", "blockwise", "reference", "cudnn"] = "auto"
+    # Attention core: blockwise (flash-style online softmax in XLA ops, O(T) memory; the CPU path),
+    # the [T, T] reference, or tokamax's fused flash kernel (Mosaic GPU on Hopper, Pallas-Triton on
+    # MI300X; bf16/fp16, masked by per-query document starts: model/attention_kernels.py). auto = the
+    # fused kernel where it was compiled and checked for the target device and dtype, blockwise
+    # elsewhere (model/attention.py:resolve_attention). cudnn is refused: jax.nn's cuDNN path rejects
+    # MLA's head dims (192 / 128) and takes no segment ids.
+    attention: Literal["auto", "blockwise", "reference", "tokamax", "cudnn"] = "auto"
     attention_block_q: int = 512
     attention_block_kv: int = 512
     param_dtype: Literal["float32", "bfloat16"] = "float32"

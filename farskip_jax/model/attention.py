@@ -8,13 +8,15 @@ K = qk_nope + qk_rope head dim, N qk_nope, R qk_rope, V v head dim, C kv_lora_ra
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from farskip_jax import platforms
 from farskip_jax.config import ConfigError, ModelConfig
+from farskip_jax.model.attention_kernels import KERNELS, fused_kernel, kernel_attention
 from farskip_jax.model.flash import blockwise_attention
 from farskip_jax.model.layers import DTYPES, RMSNorm, apply_rope, normal_init, rope_tables, softmax_scale
 
@@ -36,26 +38,70 @@ def reference_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshv: jax.Array,
     return jnp.einsum("bhts,bshv->bthv", probs, v_bshv)
 
 
-# Why `cudnn` cannot serve MLA (checked with jax 0.10.2, deviceless H200 compile): the public
-# jax.nn.dot_product_attention requires value's shape to equal key's ("value shape should be
-# [1, 1024, 16, 192]: but got (1, 1024, 16, 128)"), and it takes no segment ids, so packed
-# documents would need a dense [B, 1, T, S] mask, the O(T^2) array this module avoids. `auto`
-# therefore means blockwise on every backend.
+# Why `cudnn` is refused (deviceless H200 compiles, jax 0.12, B=4, T=4096, 16 heads, bf16): the
+# public jax.nn.dot_product_attention rejects MLA's q/k head dim ("The head dim must be <= 128 and a
+# multiple of 8, but got 192"; it also wants v's head dim equal to k's), and it takes no segment
+# ids: packed documents need a dense [B, 1, T, S] mask, which it turns into a bf16 bias
+# (`__cudnn$fmhaScaleBiasSoftmax`, 128 MiB temporary forward, 257 MiB forward + backward for GQA
+# head dims), the O(T^2) array this module avoids. `tokamax` masks by per-query document starts
+# instead (model/attention_kernels.py).
 CUDNN_UNSUPPORTED = (
     "model.attention=cudnn is not supported for MLA: jax.nn.dot_product_attention needs the value "
     "head dim to equal the query/key head dim (got {k} vs {v}) and cannot take segment ids without "
-    "a dense [T, T] mask; use model.attention=blockwise (or auto)")
+    "a dense [T, T] mask; use model.attention=tokamax, blockwise (or auto)")
+CUDNN_DENSE_MASK = (
+    "model.attention=cudnn is not supported: jax.nn.dot_product_attention takes no segment ids, so "
+    "packed documents would need a dense [T, T] mask; use model.attention=tokamax, blockwise (or auto)")
+MODES = ("auto", "blockwise", "reference", "tokamax", "cudnn")
+
+
+def resolve_attention(mode: str, device: Any, dtype: Any, head_dims: tuple[int, int] = (0, 0)) -> str:
+    """The attention core that ModelConfig.attention `mode` means on `device` for `dtype` inputs:
+    "blockwise", "reference" or a fused kernel name of model/attention_kernels.py.
+
+    `auto` is the fused kernel where one was compiled and checked for that device and dtype
+    (`attention_kernels.fused_kernel`: Mosaic GPU on Hopper, Pallas-Triton on gfx942, bf16 / fp16),
+    blockwise elsewhere (CPU always). `tokamax` insists on the fused kernel and is a ConfigError
+    where there is none. `head_dims` (q/k, v) only words the cudnn error.
+    """
+    if mode in ("blockwise", "reference"):
+        return mode
+    if mode == "cudnn":
+        k, v = head_dims
+        raise ConfigError(CUDNN_UNSUPPORTED.format(k=k, v=v) if k != v else CUDNN_DENSE_MASK)
+    if mode not in MODES:
+        raise ConfigError(f"model.attention must be one of {', '.join(MODES)}, got {mode!r}")
+    kernel = fused_kernel(device, dtype)
+    if kernel is not None:
+        return kernel
+    if mode == "tokamax":
+        kind = getattr(device, "device_kind", device)
+        raise ConfigError(f"model.attention=tokamax: no fused attention kernel was checked for {kind} with "
+                          f"{jnp.dtype(dtype).name} inputs (Mosaic GPU on Hopper, Pallas-Triton on MI300X, "
+                          "bf16/fp16 only); use model.attention=auto or blockwise")
+    return "blockwise"
 
 
 def attention_core(q_bthk: jax.Array, k_bshk: jax.Array, v_bshv: jax.Array, segment_ids_bt: jax.Array,
                    scale: float, impl: str = "auto", block_q: int = 512, block_kv: int = 512) -> jax.Array:
-    """Causal, document-masked attention [B, T, H, V] by `impl` (ModelConfig.attention)."""
-    if impl == "reference":
+    """Causal, document-masked attention [B, T, H, V] by `impl` (ModelConfig.attention), resolved
+    for the device being traced for (`platforms.target_device()`) by `resolve_attention`.
+
+    k/v may carry G key/value heads for H query heads (G divides H; query head h reads key/value
+    head h // (H / G), HF's repeat_kv order): the fused kernels read them as they are, the
+    blockwise and reference paths repeat them. Segment ids: equal ids attend (causally); the fused
+    kernels also need each document to be one contiguous run in its row (attention_kernels.py).
+    """
+    core = resolve_attention(impl, platforms.target_device(), q_bthk.dtype,
+                             (q_bthk.shape[-1], v_bshv.shape[-1]))
+    if core in KERNELS:
+        return kernel_attention(q_bthk, k_bshk, v_bshv, segment_ids_bt, scale, core,  # type: ignore[arg-type]
+                                platforms.target_device())
+    group = q_bthk.shape[2] // k_bshk.shape[2]
+    if group > 1:
+        k_bshk, v_bshv = jnp.repeat(k_bshk, group, axis=2), jnp.repeat(v_bshv, group, axis=2)
+    if core == "reference":
         return reference_attention(q_bthk, k_bshk, v_bshv, segment_ids_bt, scale)
-    if impl == "cudnn":
-        raise ConfigError(CUDNN_UNSUPPORTED.format(k=q_bthk.shape[-1], v=v_bshv.shape[-1]))
-    if impl not in ("auto", "blockwise"):
-        raise ConfigError(f"model.attention must be auto, blockwise, reference or cudnn, got {impl!r}")
     return blockwise_attention(q_bthk, k_bshk, v_bshv, segment_ids_bt, scale, block_q, block_kv)
 
 

@@ -3,11 +3,12 @@ Llama-4 (NoPE layers with temperature tuning, chunked attention and weightless q
 on the RoPE layers).
 
 Selected by `ModelConfig.attention_kind == "gqa"` (model/transformer.py `DecoderLayer`); the
-interface is MLAttention's, so the layer recurrence, the blockwise attention core and the
-parallel paths are shared. Query head h reads key/value head h // (H / G), the grouping of HF's
-`repeat_kv`; under tensor parallelism a rank holds H / tp query heads and the G / tp key/value
-heads they read, or with tp > G the one head they read, copied there (parallel/mesh.py
-`replicate_kv_heads`); both counts come from the weights, never from the config.
+interface is MLAttention's, so the layer recurrence, the attention core (`attention_core`: fused
+kernel or blockwise, one decision for both kinds) and the parallel paths are shared. Query head h
+reads key/value head h // (H / G), the grouping of HF's `repeat_kv`; under tensor parallelism a
+rank holds H / tp query heads and the G / tp key/value heads they read, or with tp > G the one head
+they read, copied there (parallel/mesh.py `replicate_kv_heads`); both counts come from the weights,
+never from the config.
 
 Shape legend: B batch, T query tokens, S key tokens (cache slots), D model width, H query heads,
 G key/value heads, K head dim.
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from farskip_jax.config import ConfigError, ModelConfig
-from farskip_jax.model.attention import attention_core
+from farskip_jax.model.attention import CUDNN_DENSE_MASK, attention_core
 from farskip_jax.model.layers import DTYPES, RMSNorm, apply_rope, normal_init, rope_tables, softmax_scale
 
 
@@ -81,9 +82,7 @@ class GQAttention(nnx.Module):
             self.q_norm = RMSNorm(k, cfg.rms_norm_eps, pd)
             self.k_norm = RMSNorm(k, cfg.rms_norm_eps, pd)
         if cfg.attention == "cudnn":
-            raise ConfigError("model.attention=cudnn is not supported: jax.nn.dot_product_attention takes "
-                              "no segment ids, so packed documents would need a dense [T, T] mask; use "
-                              "model.attention=blockwise (or auto)")
+            raise ConfigError(CUDNN_DENSE_MASK)
         self.cfg = cfg
         self.use_rope = cfg.uses_rope(layer)
         self.chunk = cfg.attention_chunk_size if cfg.chunked_layer(layer) else None
@@ -125,15 +124,13 @@ class GQAttention(nnx.Module):
         cfg = self.cfg
         with jax.named_scope("qkv_proj"):
             q, k, v = self._project(x_btd, positions_bt)
-            group = q.shape[2] // k.shape[2]
-            # Each key/value head repeated for its query heads (HF's repeat_kv order): the core
-            # then sees equal head counts.
-            k_heads, v_heads = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
         if self.chunk is not None:
             segment_ids_bt = chunk_segments(segment_ids_bt, positions_bt, self.chunk,
                                             cfg.max_position_embeddings)
         with jax.named_scope("core"):
-            ctx = attention_core(q, k_heads, v_heads, segment_ids_bt, softmax_scale(cfg), cfg.attention,
+            # The G key/value heads go in as they are: the fused kernels read head h // (H / G) for
+            # query head h (HF's repeat_kv order); blockwise and reference repeat them there.
+            ctx = attention_core(q, k, v, segment_ids_bt, softmax_scale(cfg), cfg.attention,
                                  cfg.attention_block_q, cfg.attention_block_kv)
         with jax.named_scope("o_proj"):
             out = self._out(ctx)

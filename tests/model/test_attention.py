@@ -184,7 +184,8 @@ TINY = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=32, moe_inte
 
 
 def test_mlattention_dispatch() -> None:
-    """The module honours cfg.attention: auto/blockwise equal the reference; cudnn is a clear error."""
+    """The module honours cfg.attention: auto/blockwise equal the reference (auto is blockwise on the
+    CPU); cudnn, and tokamax where no fused kernel exists (the CPU), are clear errors."""
     x = jax.random.normal(jax.random.key(1), (2, 21, TINY.hidden_size))
     pos = jnp.broadcast_to(jnp.arange(21), (2, 21))
     seg = jnp.asarray(_packed_segments(21, [9]))
@@ -196,3 +197,5 @@ def test_mlattention_dispatch() -> None:
     assert _max_err(outs["blockwise"], outs["reference"]) <= BAR
     with pytest.raises(ConfigError, match="model.attention=cudnn is not supported for MLA.*12 vs 6"):
         MLAttention(dataclasses.replace(TINY, attention="cudnn"), nnx.Rngs(0))(x, pos, seg)
+    with pytest.raises(ConfigError, match="model.attention=tokamax: no fused attention kernel"):
+        MLAttention(dataclasses.replace(TINY, attention="tokamax"), nnx.Rngs(0))(x, pos, seg)
