@@ -91,39 +91,162 @@ def _int_list(attrs: str, key: str) -> list[int]:
     return [int(x) for x in m.group(1).split(",") if x] if m else []
 
 
-def instr_flops(mod: HloModule, comp: Computation, ins: Instr, _depth: int = 0) -> float:
-    """FLOPs of matrix ops: dot, convolution, gemm custom-calls, and those inside fusions/calls."""
+def _json_ints(attrs: str, key: str) -> list[int] | None:
+    """The first ``"key":["1","2"]`` list of a backend config (None when absent)."""
+    m = re.search(r'"' + re.escape(key) + r'":\[([^\]]*)\]', attrs)
+    return [int(x.strip('" ')) for x in m.group(1).split(",") if x.strip('" ')] if m else None
+
+
+# Kinds of matrix work, as ``dot_flops_by_kind`` splits them.
+DOT_KINDS = ("dot", "convolution", "gemm", "grouped_gemm", "attention_kernel")
+
+
+def tokamax_op(ins: Instr) -> str:
+    """The tokamax op class a GPU kernel custom call carries in its metadata payload (tokamax writes
+    ``metadata_payload="tokamax:{"op":{"__type":"tokamax._src.ops.<op>...."``), or ''."""
+    m = re.search(r'__type\\?":\\?"([\w.]+)', ins.attrs) if "tokamax:" in ins.attrs else None
+    return m.group(1) if m else ""
+
+
+def kernel_kind(ins: Instr) -> str | None:
+    """What matrix work a custom call does: 'grouped_gemm' (hipBLASLt/cuBLASLt grouped matmul,
+    tokamax's ragged_dot kernels), 'attention_kernel' (tokamax's flash attention and its VJP),
+    'gemm' (cuBLAS / hipBLASLt GEMMs), or None (no matmul we can price from shapes)."""
+    if ins.opcode != "custom-call":
+        return None
+    target = re.search(r'custom_call_target="([^"]*)"', ins.attrs)
+    target_s = target.group(1) if target else ""
+    op = tokamax_op(ins)
+    if "groupedMatmul" in target_s or "ragged_dot" in op:
+        return "grouped_gemm"
+    if ".attention." in op:
+        return "attention_kernel"
+    if any(w in target_s.lower() for w in ("gemm", "matmul")) or '"gemm_backend_config"' in ins.attrs:
+        return "gemm"
+    return None
+
+
+def _float_operands(comp: Computation, ins: Instr) -> list[list[int]]:
+    """Dims of the floating-point array operands (group sizes and kernel metadata are integers)."""
+    out = []
+    for o in ins.operands:
+        src = comp.by_name.get(o)
+        arrs = shape_arrays(src.shape) if src is not None else []
+        if arrs and arrs[0][0][0] in "fb":  # f16/f32/f8*/bf16
+            out.append(arrs[0][1])
+    return out
+
+
+def _grouped_gemm_flops(comp: Computation, ins: Instr) -> float:
+    """A grouped GEMM over M sorted rows: every row meets one group's [K, N] matrix, 2 M K N FLOPs
+    at its static row count M (the fill is the cost model's business, ``_Analyzer``).
+
+    Forms: rows [M, K] x groups [G, K, N] -> [M, N] (forward and the input gradient) and the weight
+    gradient [M, K] x [M, N] -> [G, K, N] (ragged contracting dimension). Both are the dense-GEMM
+    identity M K N = sqrt(|A| |B| |C|) once the group axis (dim 0 of the one 3-D array, as
+    ``ragged_dot``'s ``rhs_group_dimensions`` puts it) is dropped, whatever the transpositions."""
+    outs = shape_arrays(ins.shape)
+    if not outs:
+        return 0.0
+    arrays = [*_float_operands(comp, ins)[:2], outs[0][1]]
+    if len(arrays) != 3 or sorted(len(a) for a in arrays) != [2, 2, 3]:
+        return 0.0
+    sizes = [math.prod(a[1:]) if len(a) == 3 else math.prod(a) for a in arrays]
+    return 2.0 * math.sqrt(math.prod(sizes))
+
+
+def _attention_flops(comp: Computation, ins: Instr) -> float:
+    """tokamax flash attention (q [B, T, H, D], k [B, S, Hk, D], v [B, S, Hk, Dv]): the forward
+    runs q.k and p.v over every visible (query, key) pair; a causal mask leaves T (T + 1) / 2 of the
+    T x S pairs when S == T. The VJP recomputes q.k and, per output: dq alone = q.k, dO.v, dS.k
+    (2 q.k + 1 v); dk and dv = q.k, dO.v, p.dO, dS.q (2 q.k + 2 v); all three: 3 q.k + 2 v."""
+    ops = _float_operands(comp, ins)
+    if len(ops) < 3 or any(len(a) != 4 for a in ops[:3]):
+        return 0.0
+    (b, t, h, d), (_, s, _, _), (_, _, _, dv) = ops[:3]
+    causal = re.search(r'causal_mask\\?":\{', ins.attrs) is not None
+    pairs = b * h * ((t * (s - t) + t * (t + 1) / 2) if causal and s >= t else t * s)
+    qk, pv = 2.0 * pairs * d, 2.0 * pairs * dv
+    if not tokamax_op(ins).endswith("Vjp"):
+        return qk + pv
+    n_out = len([a for a in shape_arrays(ins.shape) if len(a[1]) == 4])
+    return {1: 2 * qk + pv, 2: 2 * qk + 2 * pv}.get(n_out, 3 * qk + 2 * pv)
+
+
+def dot_flops_by_kind(mod: HloModule, comp: Computation, ins: Instr, _depth: int = 0) -> dict[str, float]:
+    """FLOPs of the matrix work of one instruction by ``DOT_KINDS``: dot, convolution, GEMM custom
+    calls, grouped GEMMs (``ragged-dot``, grouped-matmul custom calls, tokamax ragged_dot kernels, at
+    their static rows), tokamax attention kernels; a fusion's are those of the ops inside it (a
+    hipBLASLt ``dynamic_slice_fusion`` holds its GEMM custom call). Loops and calls are not entered
+    here (``program_dot_flops`` weights them)."""
     out = shape_arrays(ins.shape)
     out_elems = math.prod(out[0][1]) if out else 0
     if ins.opcode == "dot" and ins.operands:
         lhs = _dims(comp, ins.operands[0])
         k = math.prod(lhs[d] for d in _int_list(ins.attrs, "lhs_contracting_dims") if d < len(lhs))
-        return 2.0 * out_elems * k
+        return {"dot": 2.0 * out_elems * k}
+    if ins.opcode == "ragged-dot":
+        return {"grouped_gemm": _grouped_gemm_flops(comp, ins)}
     if ins.opcode == "convolution" and len(ins.operands) > 1:
         rhs = _dims(comp, ins.operands[1])
         m = re.search(r"dim_labels=[^_]*_([0-9a-z]+)->", ins.attrs)
         o = m.group(1).find("o") if m else -1
-        return 2.0 * out_elems * (math.prod(rhs) / rhs[o] if rhs and 0 <= o < len(rhs) else 1)
-    if ins.opcode == "custom-call" and "gemm" in ins.attrs.lower() and ins.operands:
+        per_out = math.prod(rhs) / rhs[o] if rhs and 0 <= o < len(rhs) else 1
+        return {"convolution": 2.0 * out_elems * per_out}
+    kind = kernel_kind(ins)
+    if kind == "grouped_gemm":
+        ragged = _json_ints(ins.attrs, "lhs_ragged_dimensions")
+        contracting = _json_ints(ins.attrs, "lhs_contracting_dimensions") or []
+        if ragged is not None and not set(ragged) & set(contracting) and ins.operands:
+            # rows ragged, contraction over K: 2 M N K from the result and the rows' K (exact)
+            lhs = _dims(comp, ins.operands[0])
+            return {kind: 2.0 * out_elems * math.prod(lhs[d] for d in contracting if d < len(lhs))}
+        return {kind: _grouped_gemm_flops(comp, ins)}
+    if kind == "attention_kernel":
+        return {kind: _attention_flops(comp, ins)}
+    if kind == "gemm" and ins.operands:
         lhs = _dims(comp, ins.operands[0])
-        m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
-        cd = [int(x.strip('" ')) for x in m.group(1).split(",") if x.strip('" ')] if m else []
-        return 2.0 * out_elems * math.prod(lhs[d] for d in cd if d < len(lhs))
+        cd = _json_ints(ins.attrs, "lhs_contracting_dimensions") or []
+        return {kind: 2.0 * out_elems * math.prod(lhs[d] for d in cd if d < len(lhs))}
     if ins.opcode == "fusion" and _depth < 8:
         sub = mod.computations.get(ins.attr("calls") or "")
         if sub:
-            return sum(instr_flops(mod, sub, i, _depth + 1) for i in sub.instrs)
-    return 0.0
+            acc: dict[str, float] = {}
+            for i in sub.instrs:
+                for k, v in dot_flops_by_kind(mod, sub, i, _depth + 1).items():
+                    acc[k] = acc.get(k, 0.0) + v
+            return acc
+    return {}
 
 
-def is_grouped_gemm(ins: Instr) -> bool:
-    """A grouped GEMM over sorted rows (``jax.lax.ragged_dot``): XLA's ``ragged-dot`` op, or the
-    hipBLASLt/cuBLASLt grouped-matmul custom call it lowers to. Its static row count is the worst
-    case; only the rows in its groups are computed (see ``_Analyzer``'s ``grouped_fill``)."""
-    return ins.opcode == "ragged-dot" or (ins.opcode == "custom-call" and "groupedMatmul" in ins.attrs)
+def instr_flops(mod: HloModule, comp: Computation, ins: Instr, _depth: int = 0) -> float:
+    """FLOPs of matrix ops: dot, convolution, GEMM and kernel custom calls, and those inside fusions."""
+    return sum(dot_flops_by_kind(mod, comp, ins, _depth).values())
+
+
+def is_grouped_gemm(ins: Instr, mod: HloModule | None = None) -> bool:
+    """A grouped GEMM over sorted rows (``jax.lax.ragged_dot``): XLA's ``ragged-dot`` op, the
+    hipBLASLt/cuBLASLt grouped-matmul custom call it lowers to, a tokamax ragged_dot kernel, or (with
+    ``mod``) a fusion whose root is one of those. Its static row count is the worst case; only the
+    rows in its groups are computed (see ``_Analyzer``'s ``grouped_fill``)."""
+    if ins.opcode == "ragged-dot" or kernel_kind(ins) == "grouped_gemm":
+        return True
+    if ins.opcode == "fusion" and mod is not None:
+        sub = mod.computations.get(ins.attr("calls") or "")
+        root = _through_bitcasts(sub, sub.root) if sub is not None and sub.root is not None else None
+        return root is not None and root is not ins and is_grouped_gemm(root)
+    return False
 
 
 _IN_PLACE_OPS = ("scatter", "dynamic-update-slice")
+_SLICES = ("slice", "dynamic-slice")
+
+
+def _through_bitcasts(comp: Computation | None, ins: Instr | None) -> Instr | None:
+    """``ins`` or, for a bitcast (a view: no data moves), the op it views, transitively."""
+    while comp is not None and ins is not None and ins.opcode == "bitcast" and ins.operands:
+        ins = comp.by_name.get(ins.operands[0])
+    return ins
 
 
 def _updates_in_place(mod: HloModule | None, comp: Computation, ins: Instr) -> str | None:
@@ -143,13 +266,104 @@ def _updates_in_place(mod: HloModule | None, comp: Computation, ins: Instr) -> s
     return None
 
 
-def instr_bytes(comp: Computation, ins: Instr, mod: HloModule | None = None) -> float:
-    """HBM traffic estimate: result plus operands. An in-place update of a donated buffer
-    (`_updates_in_place`) moves only what it writes: its other operands, read and written once."""
+def _result_bytes(ins: Instr, kernel: Instr | None = None) -> float:
+    """Bytes an op writes: its result, less a GEMM custom call's scratch workspace (the trailing
+    s8/u8 vector of its result tuple: 76 MiB per hipBLASLt GEMM on jaxlib 0.12, never written in
+    full). ``kernel``: the custom call that produces ``ins``'s result (a fusion's root)."""
+    arrays = shape_arrays(ins.shape)
+    k = kernel if kernel is not None else ins
+    if kernel_kind(k) is not None and len(arrays) > 1 and arrays[-1][0] in ("s8", "u8") \
+            and len(arrays[-1][1]) == 1:
+        arrays = arrays[:-1]
+    return sum(dtype_bytes(dt) * math.prod(dims) for dt, dims in arrays)
+
+
+def _users_in(comp: Computation) -> dict[str, list[Instr]]:
+    users: dict[str, list[Instr]] = {}
+    for i in comp.instrs:
+        for o in i.operands:
+            users.setdefault(o, []).append(i)
+    return users
+
+
+def _uses(users: dict[str, list[Instr]], name: str) -> list[tuple[Instr, int]]:
+    """(user, operand position) of every use of ``name``, looking through bitcasts (views)."""
+    out = []
+    for u in users.get(name, ()):
+        if u.opcode == "bitcast":
+            out += _uses(users, u.name)
+        else:
+            out += [(u, k) for k, o in enumerate(u.operands) if o == name]
+    return out
+
+
+def _fusion_bytes(mod: HloModule, comp: Computation, ins: Instr, sub: Computation, in_loop: bool) -> float:
+    """HBM traffic of a fusion from what its fused computation touches.
+
+    Reads: an operand used inside only as the source of slices (``slice``, ``dynamic-slice``, through
+    bitcasts) is read as those slices, not whole: a loop body that takes one block of a big buffer,
+    a hipBLASLt ``dynamic_slice_fusion`` that reads one layer's or one block's rows. Writes: the
+    result (less a GEMM's workspace); inside a loop body an output that is a dynamic-update-slice of
+    an operand buffer is written in place, so it costs the update and the buffer is not read (XLA
+    keeps loop-carried buffers in place; copy insertion adds an explicit copy where it cannot)."""
+    users = _users_in(sub)
+    params = {i.param_index: i for i in sub.instrs if i.opcode == "parameter"}
+    root = sub.root
+    outputs = ([sub.by_name[o] for o in root.operands if o in sub.by_name] if root.opcode == "tuple"
+               else [root])
+    in_place: set[str] = set()
+    write = 0.0
+    for out in outputs:
+        op = _through_bitcasts(sub, out)
+        if in_loop and op is not None and op.opcode == "dynamic-update-slice" and len(op.operands) > 1:
+            buf = _through_bitcasts(sub, sub.by_name.get(op.operands[0]))
+            if buf is not None and buf.opcode == "parameter" and all(
+                    u is op and k == 0 for u, k in _uses(users, buf.name)):
+                in_place.add(buf.name)
+                write += shape_bytes(sub.by_name[op.operands[1]].shape)
+                continue
+        write += _result_bytes(out, op if op is not None and op.opcode == "custom-call" else None)
+    read = 0.0
+    for k, o in enumerate(ins.operands):
+        src = comp.by_name.get(o)
+        full = shape_bytes(src.shape) if src is not None else 0.0
+        p = params.get(k)
+        if p is None:
+            read += full
+            continue
+        if p.name in in_place:
+            continue
+        uses = _uses(users, p.name)
+        if uses and all(u.opcode in _SLICES and pos == 0 for u, pos in uses):
+            read += min(full, sum(shape_bytes(u.shape) for u, _ in uses))
+        else:
+            read += full
+    return read + write
+
+
+def instr_bytes(comp: Computation, ins: Instr, mod: HloModule | None = None, in_loop: bool = False) -> float:
+    """HBM traffic estimate: what an op reads plus what it writes.
+
+    By default its operands and its result. A slice (``slice``, ``dynamic-slice``) reads only the
+    slice it returns; inside a loop body (``in_loop``) a ``dynamic-update-slice`` writes its update
+    into the loop-carried buffer where it lies (reads and writes the update only); a fusion is priced
+    by what its fused computation touches (``_fusion_bytes``); a GEMM custom call's scratch workspace
+    is not traffic. An in-place update of a donated buffer (`_updates_in_place`) moves only what it
+    writes: its other operands, read and written once."""
     in_place = _updates_in_place(mod, comp, ins)
-    others = sum(shape_bytes(comp.by_name[o].shape) for o in ins.operands
-                 if o in comp.by_name and o != in_place)
-    return 2 * others if in_place else shape_bytes(ins.shape) + others
+    if in_place:
+        return 2 * sum(shape_bytes(comp.by_name[o].shape) for o in ins.operands
+                       if o in comp.by_name and o != in_place)
+    operand_bytes = [shape_bytes(comp.by_name[o].shape) if o in comp.by_name else 0.0 for o in ins.operands]
+    if ins.opcode in _SLICES:
+        return 2 * shape_bytes(ins.shape) + sum(operand_bytes[1:])
+    if ins.opcode == "dynamic-update-slice" and in_loop and len(operand_bytes) > 1:
+        return 2 * operand_bytes[1] + sum(operand_bytes[2:])
+    if ins.opcode == "fusion" and mod is not None:
+        sub = mod.computations.get(ins.attr("calls") or "")
+        if sub is not None and sub.root is not None:
+            return _fusion_bytes(mod, comp, ins, sub, in_loop)
+    return _result_bytes(ins) + sum(operand_bytes)
 
 
 def trip_count(ins: Instr) -> int:
@@ -477,6 +691,8 @@ class _Analyzer:
         self.mod, self.hw, self.grouped_fill = mod, hw, grouped_fill
         self._cost: dict[tuple[str, str], float] = {}
         self._comp_cost: dict[str, float] = {}
+        self._comp_flops: dict[str, dict[str, float]] = {}
+        self._loop_comps: set[str] | None = None
         self._phases: Phases | None = None
         self._users_cache: dict[str, dict[str, list[str]]] = {}
 
@@ -500,12 +716,78 @@ class _Analyzer:
         elif ins.opcode == "conditional":
             t = max((self.comp_time_us(c) for c in ins.called()), default=0.0)
         else:
+            # every op, kernel custom calls included: the slower of its matrix work at peak and its
+            # HBM traffic at bandwidth
             flops = instr_flops(self.mod, comp, ins)
-            t = max(flops / self.hw["peak_flops"], instr_bytes(comp, ins, self.mod) / self.hw["hbm_bw"]) * 1e6
-            if is_grouped_gemm(ins):
+            nbytes = instr_bytes(comp, ins, self.mod, comp.name in self.loop_computations)
+            t = max(flops / self.hw["peak_flops"], nbytes / self.hw["hbm_bw"]) * 1e6
+            if is_grouped_gemm(ins, self.mod):
                 t *= self.grouped_fill
         self._cost[key] = t
         return t
+
+    @property
+    def loop_computations(self) -> set[str]:
+        """Computations that run inside a while loop (bodies, conditions, and what they call)."""
+        if self._loop_comps is None:
+            found: set[str] = set()
+
+            def visit(name: str, in_loop: bool, depth: int) -> None:
+                comp = self.mod.computations.get(name)
+                if comp is None or depth > 32 or (in_loop and name in found):
+                    return
+                if in_loop:
+                    found.add(name)
+                for ins in comp.instrs:
+                    if ins.opcode == "while":
+                        for c in ins.called():
+                            visit(c, True, depth + 1)
+                    elif ins.opcode in ("call", "conditional"):
+                        for c in ins.called():
+                            visit(c, in_loop, depth + 1)
+
+            visit(self.mod.entry, False, 0)
+            self._loop_comps = found
+        return self._loop_comps
+
+    def comp_dot_flops(self, name: str) -> dict[str, float]:
+        """Matrix FLOPs of one run of a computation by ``DOT_KINDS`` at static shapes: loops times
+        their trip count, a conditional's costliest branch (as ``op_time_us`` prices it)."""
+        if name in self._comp_flops:
+            return self._comp_flops[name]
+        self._comp_flops[name] = {}  # recursion guard
+        comp = self.mod.computations.get(name)
+        acc: dict[str, float] = {}
+
+        def add(d: dict[str, float], scale: float = 1.0) -> None:
+            for k, v in d.items():
+                acc[k] = acc.get(k, 0.0) + scale * v
+
+        for ins in comp.instrs if comp is not None else ():
+            if ins.opcode == "while":
+                for c in ins.called():
+                    add(self.comp_dot_flops(c), trip_count(ins))
+            elif ins.opcode == "call":
+                for c in ins.called():
+                    add(self.comp_dot_flops(c))
+            elif ins.opcode == "conditional":
+                branches = [self.comp_dot_flops(c) for c in ins.called()]
+                add(max(branches, key=lambda d: sum(d.values()), default={}))
+            elif collective_kind(self.mod, ins) is None:
+                add(dot_flops_by_kind(self.mod, comp, ins))
+        self._comp_flops[name] = acc
+        return acc
+
+    def dot_flops(self) -> dict[str, Any]:
+        """The program's matrix FLOPs per device: ``static`` (every dot, convolution, GEMM and kernel
+        custom call at its compiled shapes, grouped GEMMs at every static row, loops x trips),
+        ``priced`` (grouped GEMMs at ``grouped_fill`` of their rows, as the cost model charges them)
+        and ``by_kind``."""
+        by_kind = self.comp_dot_flops(self.mod.entry)
+        static = sum(by_kind.values())
+        grouped = by_kind.get("grouped_gemm", 0.0)
+        return {"static": static, "priced": static - (1.0 - self.grouped_fill) * grouped,
+                "grouped_fill": self.grouped_fill, "by_kind": {k: by_kind.get(k, 0.0) for k in DOT_KINDS}}
 
     def comp_time_us(self, name: str) -> float:
         if name not in self._comp_cost:
@@ -750,6 +1032,7 @@ def _totals(recs: list[CollectiveRecord], sim: _Simulator) -> dict[str, Any]:
                           if any(r.model == m and r.kind == k for r in recs)},
         "est_step_us": sim.t,
         "est_compute_us": sim.compute_us,
+        "dot_flops": sim.an.dot_flops(),
     }
 
 

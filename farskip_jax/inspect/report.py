@@ -12,14 +12,70 @@ from farskip_jax.inspect.hlo import Analysis
 _LANES = {"compute": 1, "comm": 2}
 
 
+MFU_NOTE = ("est. MFU = useful FLOPs / (estimated step x bf16 dense peak), with the inspector's estimated "
+            "step time (roofline compute, link-model transfers), not a measured one")
+
+
+def accounting(totals: dict[str, Any], useful: dict[str, Any] | None, peak_flops: float) -> dict[str, Any]:
+    """FLOP accounting of one step per device: the useful FLOPs counted from the config's shapes
+    (``flops.step_flops``; None when the caller has no config), the compiled program's static dot
+    FLOPs (``totals["dot_flops"]``) and their ratio, the roofline of the useful work at the bf16
+    dense peak, and the estimated MFU (useful FLOPs over estimated step time x peak)."""
+    dots = totals.get("dot_flops") or {}
+    step_us = totals.get("est_step_us") or 0.0
+    out: dict[str, Any] = {
+        "peak_flops": peak_flops,
+        "static_dot_flops_per_device": dots.get("static"),
+        "priced_dot_flops_per_device": dots.get("priced"),
+        "dot_flops_by_kind": dots.get("by_kind"),
+        "est_step_us": step_us,
+        "useful_flops_per_device": None, "static_over_useful": None, "useful_roofline_us": None,
+        "est_mfu": None, "note": MFU_NOTE,
+    }
+    if useful:
+        u = useful["per_device"]
+        out.update(useful_flops_per_device=u, useful=useful, useful_roofline_us=u / peak_flops * 1e6,
+                   static_over_useful=dots["static"] / u if dots.get("static") is not None and u else None,
+                   est_mfu=u / (step_us * 1e-6 * peak_flops) if step_us > 0 else None)
+    return out
+
+
 def build_report(analysis: Analysis, meta: dict[str, Any] | None = None,
-                 memory: dict[str, Any] | None = None) -> dict[str, Any]:
+                 memory: dict[str, Any] | None = None, useful: dict[str, Any] | None = None
+                 ) -> dict[str, Any]:
     """JSON-serialisable report: totals, per-collective records, XLA's LHS statistics, metadata,
-    and ``memory`` (``aot.memory_section`` of the compiled step; None when not compiled here)."""
+    ``memory`` (``aot.memory_section`` of the compiled step; None when not compiled here) and
+    ``accounting`` (``accounting``; ``useful``: ``flops.step_flops`` of the step)."""
+    from farskip_jax.inspect.hlo import HARDWARE
+
     rep = analysis.to_dict()
     rep["meta"] = meta or {}
     rep["memory"] = memory
+    rep["accounting"] = accounting(analysis.totals, useful, HARDWARE[analysis.target]["peak_flops"])
     return rep
+
+
+def _flop(x: float | None) -> str:
+    return "-" if x is None else f"{x / 1e12:.2f} TFLOP" if x >= 1e11 else f"{x / 1e9:.2f} GFLOP"
+
+
+def accounting_markdown(acc: dict[str, Any] | None) -> list[str]:
+    """The accounting section's lines (per device)."""
+    if not acc:
+        return []
+    ratio = acc.get("static_over_useful")
+    kinds = ", ".join(f"{k} {_flop(v)}" for k, v in (acc.get("dot_flops_by_kind") or {}).items() if v)
+    lines = [f"FLOPs per device: useful {_flop(acc.get('useful_flops_per_device'))} (from the config's shapes"
+             + (f": {'; '.join(acc['useful']['assumptions'])}" if acc.get("useful") else "") + "); "
+             f"static dot FLOPs of the compiled program {_flop(acc.get('static_dot_flops_per_device'))}"
+             + (f" ({kinds})" if kinds else "")
+             + (f", {ratio:.2f}x the useful" if ratio else "") + "; priced by the cost model "
+             f"{_flop(acc.get('priced_dot_flops_per_device'))} (grouped GEMMs at their fill)."]
+    if acc.get("useful_roofline_us") is not None:
+        mfu = acc.get("est_mfu")
+        lines.append(f"Roofline of the useful work at {acc['peak_flops'] / 1e12:.1f} TFLOP/s: "
+                     f"{acc['useful_roofline_us'] / 1000:.2f} ms; est. MFU {_pct(mfu)} ({MFU_NOTE}).")
+    return lines
 
 
 def to_chrome_trace(analysis: Analysis, label: str = "") -> dict[str, Any]:
@@ -74,6 +130,7 @@ def markdown(report: dict[str, Any], max_rows: int = 200) -> str:
     t = report["totals"]
     lines = [f"## {report['module']} on {report['target']} (estimated)", "",
              f"Estimated step {t['est_step_us']:.1f} us, compute {t['est_compute_us']:.1f} us.", "",
+             *[x for line in accounting_markdown(report.get("accounting")) for x in (line, "")],
              *memory_markdown(report.get("memory")), "",
              "Direction: backward = reads a value computed from the loss's cotangent (data flow over the "
              "scheduled HLO), so XLA's nameless gradient all-reduces count as backward; "
@@ -131,11 +188,32 @@ def compare(a: dict[str, Any], b: dict[str, Any], label_a: str = "farskip",
         if m in ta.get("by_model", {}) and "teacher" in ta["by_model"]:
             rows[m] = {label_a: pick(ta["by_model"].get(m)), label_b: pick(tb.get("by_model", {}).get(m))}
     peak = lambda r: (r.get("memory") or {}).get("peak_bytes_per_device")
+    acc = lambda r: {k: (r.get("accounting") or {}).get(k) for k in ACCOUNTING_KEYS}
     return {"labels": [label_a, label_b], "targets": [a["target"], b["target"]],
             "est_step_us": {label_a: ta["est_step_us"], label_b: tb["est_step_us"]},
             "speedup_est": tb["est_step_us"] / ta["est_step_us"] if ta["est_step_us"] else None,
             "peak_bytes_per_device": {label_a: peak(a), label_b: peak(b)},
+            "accounting": {label_a: acc(a), label_b: acc(b)},
             "groups": rows}
+
+
+ACCOUNTING_KEYS = ("useful_flops_per_device", "static_dot_flops_per_device", "static_over_useful",
+                   "useful_roofline_us", "est_mfu")
+
+
+def _accounting_lines(accs: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per label of a comparison's FLOP accounting."""
+    lines = []
+    for label, a in accs.items():
+        if not a or a.get("static_dot_flops_per_device") is None:
+            continue
+        ratio = a.get("static_over_useful")
+        roof = a.get("useful_roofline_us")
+        lines.append(f"- {label}: useful {_flop(a.get('useful_flops_per_device'))}/device, static dots "
+                     f"{_flop(a['static_dot_flops_per_device'])}" + (f" ({ratio:.2f}x)" if ratio else "")
+                     + (f", useful roofline {roof / 1000:.2f} ms" if roof is not None else "")
+                     + f", est. MFU {_pct(a.get('est_mfu'))}")
+    return [f"FLOPs per device ({MFU_NOTE}):", *lines, ""] if lines else []
 
 
 def compare_markdown(cmp: dict[str, Any]) -> str:
@@ -145,6 +223,7 @@ def compare_markdown(cmp: dict[str, Any]) -> str:
              + (f" (x{cmp['speedup_est']:.3f})" if cmp["speedup_est"] else ""), "",
              f"Peak memory per device: {la} {size_str(cmp['peak_bytes_per_device'][la])}, "
              f"{lb} {size_str(cmp['peak_bytes_per_device'][lb])}", "",
+             *_accounting_lines(cmp.get("accounting") or {}),
              f"| group | {la} count/sync | {la} hidden | {la} exposed us | {lb} count/sync | {lb} hidden "
              f"| {lb} exposed us |", "|---|---:|---:|---:|---:|---:|---:|"]
     for k, row in cmp["groups"].items():
@@ -158,14 +237,91 @@ def compare_markdown(cmp: dict[str, Any]) -> str:
 
 
 def write_reports(analysis: Analysis, out_dir: str | Path, name: str = "report",
-                  meta: dict[str, Any] | None = None, memory: dict[str, Any] | None = None
-                  ) -> dict[str, Path]:
+                  meta: dict[str, Any] | None = None, memory: dict[str, Any] | None = None,
+                  useful: dict[str, Any] | None = None) -> dict[str, Path]:
     """Write <name>.json, <name>.md and <name>.trace.json into out_dir; returns their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rep = build_report(analysis, meta, memory)
+    rep = build_report(analysis, meta, memory, useful)
     paths = {"json": out / f"{name}.json", "md": out / f"{name}.md", "trace": out / f"{name}.trace.json"}
     paths["json"].write_text(json.dumps(rep, indent=1))
     paths["md"].write_text(markdown(rep))
     paths["trace"].write_text(json.dumps(to_chrome_trace(analysis, name)))
     return paths
+
+
+# ------------------------------------------------------------------ four-row comparison ------
+
+A2A_KINDS = ("all-to-all", "ragged-all-to-all")
+GRAD_KINDS = ("reduce-scatter", "all-gather", "all-reduce")
+FOUR_LABELS = {"regular_bs1": "regular, one stream (paper's baseline)", "farskip_bs1": "FarSkip"}
+
+
+def four_label(mode: str) -> str:
+    """Row label of a ``--compare four`` mode ('regular_bs2' -> 'regular + batch split 2')."""
+    if mode in FOUR_LABELS:
+        return FOUR_LABELS[mode]
+    conn, _, split = mode.partition("_bs")
+    return f"{'FarSkip' if conn == 'farskip' else 'regular'} + batch split {split}" if split else mode
+
+
+def hidden_share(by_kind: dict[str, Any], kinds: tuple[str, ...]) -> dict[str, float | None]:
+    """Share of the transfer time of ``kinds`` with compute under it in the timeline replay."""
+    rows = [by_kind[k] for k in kinds if k in by_kind]
+    transfer = sum(r["transfer_us"] for r in rows)
+    exposed = sum(r["sim_exposed_us"] for r in rows)
+    return {"hidden": 1.0 - exposed / transfer if transfer > 0 else None, "exposed_us": exposed,
+            "transfer_us": transfer}
+
+
+def four_way(reports: dict[str, dict[str, Any]], baseline: str = "regular_bs1",
+             totals_of: Any = None) -> dict[str, Any]:
+    """One row per mode (in ``reports``' order): estimated step, all-to-all and gradient-sync overlap,
+    est. MFU, peak memory, and the gain against ``baseline`` (the paper's: regular connectivity, one
+    stream) and against the strongest other row (> 1: this row is the fastest by that factor; < 1:
+    the best other row is faster). ``totals_of(report)`` picks the totals (default
+    ``report["totals"]``; ``bench/overlap_tables.py --without-profile`` passes the replay of the
+    program XLA's own estimator scheduled)."""
+    pick = totals_of or (lambda r: r["totals"])
+    rows: dict[str, dict[str, Any]] = {}
+    for mode, rep in reports.items():
+        t = pick(rep)
+        acc = rep.get("accounting") or {}
+        useful, peak = acc.get("useful_flops_per_device"), acc.get("peak_flops")
+        step = t["est_step_us"]
+        rows[mode] = {"label": four_label(mode), "est_step_us": step,
+                      "a2a": hidden_share(t["by_kind"], A2A_KINDS),
+                      "grad_sync": hidden_share(t["by_kind"], GRAD_KINDS),
+                      "est_mfu": useful / (step * 1e-6 * peak) if useful and peak and step else None,
+                      "peak_bytes_per_device": (rep.get("memory") or {}).get("peak_bytes_per_device")}
+    base = rows.get(baseline, {}).get("est_step_us")
+    for mode, row in rows.items():
+        step = row["est_step_us"]
+        others = [r["est_step_us"] for m, r in rows.items() if m != mode and r["est_step_us"]]
+        row["gain_vs_baseline"] = base / step if base and step else None
+        row["gain_vs_best_other"] = min(others) / step if others and step else None
+    target = next(iter(reports.values()))["target"] if reports else ""
+    return {"target": target, "baseline": baseline, "rows": rows, "note": MFU_NOTE}
+
+
+def four_way_markdown(four: dict[str, Any], title: str = "") -> str:
+    def share(x: dict[str, Any]) -> str:
+        return "-" if x["hidden"] is None else f"{_pct(x['hidden'])} ({x['exposed_us'] / 1000:.2f} ms)"
+
+    def gain(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}x"
+
+    lines = [f"## {title or 'Four variants'} ({four['target']}, estimated)", "",
+             f"Gain = the other row's estimated step / this row's: against the paper's baseline "
+             f"({four_label(four['baseline'])}) and against the fastest other row (> 1: this row is the "
+             f"fastest). {MFU_NOTE}.", "",
+             "| variant | mode | est. ms | gain vs baseline | gain vs best other | a2a hidden (exposed) "
+             "| grad sync hidden (exposed) | est. MFU | peak GiB |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for mode, row in four["rows"].items():
+        peak = row["peak_bytes_per_device"]
+        lines.append(f"| {row['label']} | {mode} | {row['est_step_us'] / 1000:.2f} | "
+                     f"{gain(row['gain_vs_baseline'])} | {gain(row['gain_vs_best_other'])} | "
+                     f"{share(row['a2a'])} | {share(row['grad_sync'])} | "
+                     f"{_pct(row['est_mfu'])} | {'-' if peak is None else f'{peak / 2**30:.1f}'} |")
+    return "\n".join(lines) + "\n"

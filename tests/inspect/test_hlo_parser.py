@@ -223,3 +223,108 @@ def test_timeline_window_ignores_hoisted_ops_and_the_teacher() -> None:
     start, end, (k, k1) = layer_window(events, "fwd")
     assert (k, k1) == (2, 3)
     assert 30.0 <= start < 31.0 and 49.0 < end <= 50.0
+
+
+def test_loop_slices_are_priced_by_the_block_they_move() -> None:
+    """A loop that takes one 8 MiB block of a 64 MiB buffer per trip and writes one block into another
+    (loop_slices.hlo, 8 trips) moves the blocks, not the buffers: the old pricing charged result +
+    all operands, i.e. 72 MiB for the take and 136 MiB for the put, every trip. Outside the loop a
+    dynamic-update-slice of a computed buffer is still charged in full."""
+    text = (DATA / "loop_slices.hlo").read_text()
+    mod = hlo.parse_hlo(text)
+    an = hlo._Analyzer(mod, H200)
+    assert an.loop_computations == {"body", "cond"}
+    body, main = mod.computations["body"], mod.computations[mod.entry]
+    mib = 2**20
+    cost = {i.name: hlo.instr_bytes(body, i, mod, in_loop=True) for i in body.instrs
+            if i.opcode not in ("parameter", "get-tuple-element", "constant", "tuple")}
+    assert cost["take"] == 8 * mib + 4 + 8 * mib  # read the block (and the index), write it
+    assert cost["put"] == 4 + 8 * mib + 8 * mib  # read the update (and the index), write it in place
+    assert cost["row"] == 2 * mib + 12 and cost["put_row"] == 2 * mib + 12 and cost["next"] == 12
+    # the same ops priced as outside a loop (whole buffers in and out), as before
+    assert hlo.instr_bytes(body, body.by_name["put"], mod) == 64 * mib + 64 * mib + 8 * mib + 4
+    assert hlo.instr_bytes(main, main.by_name["entry_put"], mod) == 136 * mib + 4
+    # a slice reads only what it returns, wherever it runs
+    assert hlo.instr_bytes(main, main.by_name["acc_block"], mod) == 16 * mib + 12
+    trip = sum(cost.values()) + (4 + 4 + 1)  # the body, then the condition's compare
+    entry = (16 * mib + 12) + 192 * mib + (136 * mib + 4)
+    a = hlo.analyze(text, "h200")
+    assert a.totals["est_step_us"] == pytest.approx((8 * trip + entry) / H200["hbm_bw"] * 1e6)
+
+
+def test_kernel_custom_calls_are_priced_by_their_flops_and_bytes() -> None:
+    """kernels.hlo: a hipBLASLt GEMM in a dynamic_slice_fusion (jaxlib 0.12: a slice of its operand,
+    a 76 MiB workspace in its result), the grouped-matmul weight gradient (ragged contracting dim),
+    and tokamax's mosaic_gpu_v2 kernels (a ragged_dot, a causal flash attention, its dk/dv VJP)."""
+    text = (DATA / "kernels.hlo").read_text()
+    mod = hlo.parse_hlo(text)
+    main = mod.computations[mod.entry]
+    flops = {i.name: hlo.dot_flops_by_kind(mod, main, i) for i in main.instrs}
+    assert flops["dynamic_slice_fusion"] == {"gemm": 2 * 1024 * 512 * 256}
+    # each of the 8192 rows meets one group: 2 M K N, not G x that (the dense-dot formula's 8x)
+    assert flops["dw"] == {"grouped_gemm": 2 * 8192 * 2048 * 1408}
+    assert flops["tk_gemm"] == {"grouped_gemm": 2 * 1024 * 512 * 256}
+    causal_pairs = 2 * 4 * 1024 * 1025 / 2
+    assert flops["tk_attn"] == {"attention_kernel": pytest.approx(causal_pairs * 2 * (128 + 128))}
+    full = 2 * 2 * 4 * 1024 * 1024 * 128  # one q.k (or p.v) over every pair, non-causal
+    assert flops["tk_dkv"] == {"attention_kernel": 2 * full + 2 * full}
+    assert [hlo.kernel_kind(main.by_name[n]) for n in ("dw", "tk_gemm", "tk_attn")] == [
+        "grouped_gemm", "grouped_gemm", "attention_kernel"]
+    mib = 2**20
+    # the GEMM reads half of x (its slice) and w, writes its f32 result; the workspace is scratch
+    assert hlo.instr_bytes(main, main.by_name["dynamic_slice_fusion"], mod) == mib + mib / 4 + mib
+    an = hlo._Analyzer(mod, H200, grouped_fill=0.125)
+    dw_bytes = 8192 * 2048 * 2 + 8192 * 1408 * 2 + 64 + 8 * 2048 * 1408 * 2
+    assert hlo.instr_bytes(main, main.by_name["dw"], mod) == dw_bytes
+    # max(compute, memory), grouped GEMMs at the rows their groups fill
+    assert an.op_time_us(main, main.by_name["dw"]) == pytest.approx(
+        0.125 * max(2 * 8192 * 2048 * 1408 / H200["peak_flops"], dw_bytes / H200["hbm_bw"]) * 1e6)
+    attn_bytes = 4 * 2 * 1024 * 4 * 128 * 2 + 2 * 2 * 4 * 1024 * 4
+    assert an.op_time_us(main, main.by_name["tk_attn"]) == pytest.approx(
+        max(causal_pairs * 512 / H200["peak_flops"], attn_bytes / H200["hbm_bw"]) * 1e6)
+    dots = hlo.analyze(text, "h200", grouped_fill=0.125).totals["dot_flops"]
+    grouped = 2 * 8192 * 2048 * 1408 + 2 * 1024 * 512 * 256
+    assert dots["by_kind"]["grouped_gemm"] == grouped
+    assert dots["static"] == pytest.approx(2 * 1024 * 512 * 256 + grouped + causal_pairs * 512 + 4 * full)
+    assert dots["priced"] == pytest.approx(dots["static"] - 0.875 * grouped)
+
+
+def test_static_dot_flops_weight_loop_bodies_by_their_trips() -> None:
+    """nested_while.hlo: the entry's dot once, the body's dot on each of its 4 trips."""
+    text = (DATA / "nested_while.hlo").read_text()
+    mod = hlo.parse_hlo(text)
+    an = hlo._Analyzer(mod, H200)
+    body = sum(hlo.instr_flops(mod, mod.computations["body"], i) for i in mod.computations["body"].instrs)
+    entry = sum(hlo.instr_flops(mod, mod.computations["main"], i) for i in mod.computations["main"].instrs)
+    assert body > 0 and an.dot_flops()["static"] == entry + 4 * body
+
+
+def test_accounting_and_four_way_tables() -> None:
+    """report.accounting: useful vs static dot FLOPs, the roofline of the useful work, est. MFU;
+    report.four_way: the gains against the paper's baseline and against the best other row."""
+    a = _analyze("nested_while.hlo")
+    static = a.totals["dot_flops"]["static"]
+    useful = {"per_device": static / 4, "assumptions": ["test"]}
+    rep = report.build_report(a, useful=useful)
+    acc = rep["accounting"]
+    assert acc["static_over_useful"] == pytest.approx(4.0)
+    assert acc["useful_roofline_us"] == pytest.approx(static / 4 / H200["peak_flops"] * 1e6)
+    step = a.totals["est_step_us"]
+    assert acc["est_mfu"] == pytest.approx(static / 4 / (step * 1e-6 * H200["peak_flops"]))
+    assert "est. MFU" in report.markdown(rep) and "4.00x the useful" in report.markdown(rep)
+    assert report.build_report(a)["accounting"]["est_mfu"] is None  # no config: no useful side
+
+    def fake(step_us: float) -> dict:
+        return {"target": "h200", "totals": {"est_step_us": step_us, "by_kind": {}},
+                "accounting": {"useful_flops_per_device": 1e12, "peak_flops": 1e15}}
+
+    four = report.four_way({"regular_bs1": fake(100.0), "regular_bs2": fake(80.0), "farskip_bs1": fake(90.0),
+                            "farskip_bs2": fake(64.0)})
+    rows = four["rows"]
+    assert rows["regular_bs1"]["gain_vs_baseline"] == 1.0
+    assert rows["farskip_bs2"]["gain_vs_baseline"] == pytest.approx(100 / 64)
+    assert rows["farskip_bs2"]["gain_vs_best_other"] == pytest.approx(80 / 64)  # the fastest row
+    assert rows["regular_bs2"]["gain_vs_best_other"] == pytest.approx(64 / 80)  # slower than the best
+    assert rows["farskip_bs2"]["est_mfu"] == pytest.approx(1e12 / (64e-6 * 1e15))
+    md = report.four_way_markdown(four)
+    assert "| FarSkip + batch split 2 | farskip_bs2 | 0.06 | 1.562x | 1.250x |" in md
