@@ -124,8 +124,14 @@ def _compile(fn: Any, specs: Sequence[Any], args: argparse.Namespace,
                         ) from e
 
 
-def run_inspect(args: argparse.Namespace, build_step: BuildStep) -> dict[str, Any]:
-    """Compile, analyse and report every mode in ``args.modes``; returns the reports by mode."""
+def run_inspect(args: argparse.Namespace, build_step: BuildStep,
+                useful_flops: Callable[[str], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Compile, analyse and report every mode in ``args.modes``; returns the reports by mode.
+
+    ``useful_flops(mode)``: the step's useful FLOPs (``flops.step_flops``) for the report's
+    accounting (static dot FLOPs / useful, roofline, est. MFU); None leaves the useful side out.
+    ``args.compare == "four"`` (``--compare four``): the four modes of ``steps.four_modes`` are
+    also tabulated together (compare_four.json / .md)."""
     from farskip_jax.inspect import aot
 
     # Before anything touches a JAX backend: cpu platforms (and the ROCm stand-ins for mi300x).
@@ -152,15 +158,20 @@ def run_inspect(args: argparse.Namespace, build_step: BuildStep) -> dict[str, An
             meta["pgle"]["without_profile"] = {
                 "all": base["all"]["hidden_frac"],
                 **{kind: agg["hidden_frac"] for kind, agg in base["by_kind"].items()}}
+            # the whole replay of the same program as XLA's own estimator schedules it, so that one
+            # run decides between the two cost sources (bench/overlap_tables.py --without-profile)
+            meta["pgle"]["without_profile_totals"] = {k: v for k, v in base.items() if k != "by_role"}
             print(f"[{mode}] without PGLE: hidden {_fmt(base['all']['hidden_frac'])}")
-        paths = report.write_reports(analysis, out, name=f"report_{mode}", meta=meta, memory=art.memory)
+        useful = useful_flops(mode) if useful_flops is not None else None
+        paths = report.write_reports(analysis, out, name=f"report_{mode}", meta=meta, memory=art.memory,
+                                     useful=useful)
         if getattr(args, "save_hlo", True):
             # compresses ~10x (a DSV2-Lite train step is ~100 MB of text); zcat or gzip.open to read
             with gzip.open(out / f"scheduled_{mode}.hlo.txt.gz", "wt", compresslevel=6) as f:
                 f.write(art.hlo_text)
         if getattr(args, "timeline", True):
             _timeline(out / f"report_{mode}.timeline.png", [(mode, analysis)], args.target)
-        reports[mode] = report.build_report(analysis, meta, art.memory)
+        reports[mode] = report.build_report(analysis, meta, art.memory, useful)
         t = analysis.totals["all"]
         mem = art.memory or {}
         print(f"[{mode}] compile {art.compile_seconds:.2f}s  collectives {t['count']} (sync {t['sync']})  "
@@ -168,6 +179,14 @@ def run_inspect(args: argparse.Namespace, build_step: BuildStep) -> dict[str, An
               f"peak {report.size_str(mem.get('peak_bytes_per_device'))} "
               f"({_fmt(mem.get('fraction'))} of HBM)  "
               f"-> {paths['md']}")
+        print(f"[{mode}] {_accounting_line(reports[mode]['accounting'])}")
+    if getattr(args, "compare", None) == "four" and len(modes) == 4:
+        four = report.four_way({m: reports[m] for m in modes}, baseline=modes[0])
+        (out / "compare_four.json").write_text(json.dumps(four, indent=1))
+        (out / "compare_four.md").write_text(report.four_way_markdown(four))
+        reports["_four"] = four
+        # and the pair --compare-regular gives at the split (first = FarSkip by convention)
+        modes = [modes[3], modes[1]]
     if len(modes) == 2:
         cmp = report.compare(reports[modes[0]], reports[modes[1]], modes[0], modes[1])
         (out / "compare.json").write_text(json.dumps(cmp, indent=1))
@@ -209,6 +228,19 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def _accounting_line(acc: dict[str, Any]) -> str:
+    """The printed summary of a report's FLOP accounting (per device)."""
+    def tf(x: float | None) -> str:
+        return "-" if x is None else f"{x / 1e12:.3g} TFLOP"
+
+    ratio, roof = acc.get("static_over_useful"), acc.get("useful_roofline_us")
+    return (f"useful {tf(acc.get('useful_flops_per_device'))}/device, static dots "
+            f"{tf(acc.get('static_dot_flops_per_device'))}" + (f" ({ratio:.2f}x useful)" if ratio else "")
+            + (f", useful roofline {roof / 1000:.2f} ms" if roof is not None else "")
+            + f", est. step {acc.get('est_step_us', 0) / 1000:.2f} ms, est. MFU {_fmt(acc.get('est_mfu'))} "
+            "(an estimate: estimated step time)")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m farskip_jax inspect",
@@ -230,7 +262,16 @@ def _build_parser() -> argparse.ArgumentParser:
                         "decode: one TP decode step, --batch sequences (default 256) each adding a token "
                         "against a --seq-len latent cache")
     p.add_argument("--compare-regular", action="store_true",
-                   help="also compile the same model with regular connectivity and compare")
+                   help="also compile the same model with regular connectivity and compare (both at the "
+                        "config's model.batch_split); the same as --compare regular")
+    p.add_argument("--compare", choices=("regular", "four"), default=None,
+                   help="regular: as --compare-regular; four (train/fcsd): compile regular with "
+                        "model.batch_split=1 (the paper's baseline), regular + batch split, FarSkip and "
+                        "FarSkip + batch split (the config's split, else 2) and tabulate them "
+                        "(compare_four.md / .json, plus compare.md of the two split rows)")
+    p.add_argument("--doc-len", type=int, default=None,
+                   help="useful FLOPs: tokens per packed document for the causal attention count "
+                        "(default: one document per sequence)")
     p.add_argument("--seqs-per-device", type=int, default=None,
                    help="train/fcsd: sequences per device per micro-batch (default: as train.py runs the "
                         "config, data.batch_size over the mesh's data x expert devices)")
@@ -272,19 +313,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.seqs_per_device = max(1, per_process // batch_devices)
     if args.batch is None:
         args.batch = 256 if args.mode == "decode" else 1
-    if args.seqs_per_device < 1 or args.seq_len < 1 or args.batch < 1:
-        raise UserError("--seqs-per-device, --seq-len and --batch must be positive")
-    if args.modes in (None, "farskip,regular"):
-        args.modes = "farskip,regular" if args.compare_regular else (
+    if args.seqs_per_device < 1 or args.seq_len < 1 or args.batch < 1 or (args.doc_len or 1) < 1:
+        raise UserError("--seqs-per-device, --seq-len, --batch and --doc-len must be positive")
+    ep = args.mode in ("train", "fcsd")
+    if args.compare_regular and args.compare is None:
+        args.compare = "regular"
+    from farskip_jax.inspect import steps
+
+    if args.compare == "four":
+        if not ep:
+            raise UserError("--compare four needs --mode train or fcsd: model.batch_split splits the "
+                            "expert-parallel step's sequences (tensor-parallel inference ignores it)")
+        four = steps.four_modes(cfg.model)
+        split = int(four[-1].rpartition("_bs")[2])
+        if args.seqs_per_device % split:
+            raise UserError(f"--compare four: batch split {split} does not divide --seqs-per-device "
+                            f"{args.seqs_per_device}")
+        args.modes = ",".join(four)
+    elif args.modes in (None, "farskip,regular"):
+        args.modes = "farskip,regular" if args.compare == "regular" else (
             "farskip" if cfg.model.farskip.enabled else "regular")
     mesh = {"data": 1, "expert": 1, "tensor": 1}
-    ep = args.mode in ("train", "fcsd")
     default_mesh = {"expert": 8} if ep else {"tensor": 8}
     user_mesh = args.mesh if args.mesh != {"expert": 8} or ep else default_mesh
     mesh.update(user_mesh)
     args.mesh = mesh
-    from farskip_jax.inspect import steps
-
     if not ep and not any(k == PSUM_COMBINE_OPTION[0] for k, _ in args.compiler_option):
         args.compiler_option.append(PSUM_COMBINE_OPTION)
     tokens = (args.seqs_per_device * args.seq_len if ep else args.batch if args.mode == "decode"
@@ -305,9 +358,30 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"grouped GEMMs priced at {args.grouped_fill:.4g} of their rows "
           f"(--moe-load {args.moe_load})")
     t0 = time.perf_counter()
-    reports = run_inspect(args, build)
+    reports = run_inspect(args, build, _useful_flops(cfg, args, ep))
     print(f"inspect: done in {time.perf_counter() - t0:.1f}s -> {args.out}")
     cmp = reports.get("_compare")
     if cmp is not None:
         print((Path(args.out) / "compare.md").read_text())
+    if reports.get("_four") is not None:
+        print((Path(args.out) / "compare_four.md").read_text())
     return 0
+
+
+def _useful_flops(cfg: Any, args: argparse.Namespace, ep: bool) -> Callable[[str], dict[str, Any]]:
+    """mode -> the useful FLOPs of the step `main` compiles for it (``flops.step_flops``)."""
+    import dataclasses
+    import math
+
+    from farskip_jax.inspect import flops, steps
+
+    mesh = args.mesh
+
+    def useful(mode: str) -> dict[str, Any]:
+        c = dataclasses.replace(cfg, model=steps.model_for(cfg.model, mode))
+        return flops.step_flops(c, args.mode, devices=math.prod(mesh.values()), seq_len=args.seq_len,
+                                seqs_per_device=args.seqs_per_device, batch=args.batch,
+                                doc_len=args.doc_len,
+                                batch_devices=mesh.get("data", 1) * mesh.get("expert", 1) if ep else None)
+
+    return useful

@@ -9,6 +9,7 @@ a DeepSeek-V2-Lite step compiles for 8 GPUs on a laptop.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,13 +24,28 @@ from farskip_jax.model.dispatch import rows_per_expert
 from farskip_jax.model.transformer import Transformer, with_farskip
 from farskip_jax.parallel import param_specs_tree, replicate_kv_heads, tp_forward
 
+_SPLIT_MODE = re.compile(r"^(farskip|regular)_bs([1-9][0-9]*)$")
+
 
 def model_for(cfg: ModelConfig, mode: str) -> ModelConfig:
+    """The model a mode compiles: 'farskip' / 'regular' = the config with FarSkip on / off at its own
+    ``batch_split``; 'farskip_bsN' / 'regular_bsN' also set ``batch_split`` to N (``--compare four``:
+    regular_bs1 is the paper's baseline, one stream and regular connectivity)."""
+    m = _SPLIT_MODE.match(mode)
+    if m:
+        return dataclasses.replace(model_for(cfg, m.group(1)), batch_split=int(m.group(2)))
     if mode == "regular":
         return with_farskip(cfg, enabled=False)
     if mode == "farskip":
         return cfg if cfg.farskip.enabled else with_farskip(cfg, enabled=True)
-    raise ValueError(f"mode {mode!r}: expected 'farskip' or 'regular'")
+    raise ValueError(f"mode {mode!r}: expected 'farskip', 'regular', 'farskip_bsN' or 'regular_bsN'")
+
+
+def four_modes(cfg: ModelConfig) -> list[str]:
+    """``--compare four``: the paper's baseline (regular, one stream), regular + batch split,
+    FarSkip, FarSkip + batch split; the split is the config's own when it has one, else 2."""
+    n = cfg.batch_split if cfg.batch_split > 1 else 2
+    return ["regular_bs1", f"regular_bs{n}", "farskip_bs1", f"farskip_bs{n}"]
 
 
 def _abstract(tree: Any, shardings: Any) -> Any:

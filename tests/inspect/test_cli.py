@@ -118,3 +118,43 @@ def test_local_target_compiles_for_this_machines_devices(tmp_path: Path) -> None
     assert a2a and all(c["role"] in ("dispatch", "combine", "counts") for c in a2a), \
         sorted({c["role"] for c in a2a})
     assert (tmp_path / "report_farskip.json").exists()
+
+
+def test_compare_four_modes_and_their_user_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    """--compare four compiles regular_bs1 (the paper's baseline), regular_bsN, farskip_bs1,
+    farskip_bsN (N: the config's batch split, else 2); its errors are caught before any compile."""
+    from farskip_jax.config import load_config
+    from farskip_jax.inspect import steps
+
+    dsv2 = load_config("dsv2lite_farskip").model
+    assert dsv2.batch_split == 2 and dsv2.farskip.enabled
+    assert steps.four_modes(dsv2) == ["regular_bs1", "regular_bs2", "farskip_bs1", "farskip_bs2"]
+    base = steps.model_for(dsv2, "regular_bs1")
+    assert (base.batch_split, base.farskip.enabled) == (1, False)
+    split = steps.model_for(dsv2, "farskip_bs4")
+    assert (split.batch_split, split.farskip.enabled) == (4, True)
+    assert steps.model_for(dsv2, "regular").batch_split == 2  # --compare-regular: the config's own split
+    tiny = load_config("tiny").model
+    assert tiny.batch_split == 1 and steps.four_modes(tiny)[-1] == "farskip_bs2"
+    with pytest.raises(ValueError):
+        steps.model_for(dsv2, "farskip_bs0")
+    assert cli.main(["--config", "tiny", "--mode", "prefill", "--compare", "four"]) == 2
+    assert "--compare four needs --mode train or fcsd" in capsys.readouterr().err
+    odd = ["--config", "tiny", "--mode", "fcsd", "--compare", "four", "--seqs-per-device", "3"]
+    assert cli.main(odd) == 2
+    assert "batch split 2 does not divide --seqs-per-device 3" in capsys.readouterr().err
+
+
+def test_useful_flops_of_the_step_main_compiles() -> None:
+    """The accounting's useful side for the modes `main` builds: the DSV2-Lite FCSD step on 8 GPUs x
+    4 x 4096 tokens is the issue's 358 TFLOP per device, whatever the connectivity or split."""
+    from farskip_jax.config import load_config
+
+    cfg = load_config("dsv2lite_farskip")
+    args = argparse.Namespace(mesh={"data": 1, "expert": 8, "tensor": 1}, mode="fcsd", seq_len=4096,
+                              seqs_per_device=4, batch=1, doc_len=None)
+    useful = cli._useful_flops(cfg, args, ep=True)
+    for mode in ("farskip", "regular_bs1", "farskip_bs2"):
+        assert useful(mode)["per_device"] == pytest.approx(358e12, rel=2e-3)
+    args.doc_len = 512  # packed documents: less attention, nothing else changes
+    assert useful("farskip")["per_device"] < 350e12
