@@ -82,6 +82,17 @@ def resolve_attention(mode: str, device: Any, dtype: Any, head_dims: tuple[int, 
     return "blockwise"
 
 
+def _target_device() -> Any:
+    """platforms.target_device(): the device being traced for. It is JAX's default device (what a
+    deviceless compile sets to the target's), read directly where platforms predates the helper."""
+    find = getattr(platforms, "target_device", None)
+    if find is not None:
+        return find()
+    from jax.extend import backend
+
+    return backend.get_default_device()
+
+
 def attention_core(q_bthk: jax.Array, k_bshk: jax.Array, v_bshv: jax.Array, segment_ids_bt: jax.Array,
                    scale: float, impl: str = "auto", block_q: int = 512, block_kv: int = 512) -> jax.Array:
     """Causal, document-masked attention [B, T, H, V] by `impl` (ModelConfig.attention), resolved
@@ -92,11 +103,11 @@ def attention_core(q_bthk: jax.Array, k_bshk: jax.Array, v_bshv: jax.Array, segm
     blockwise and reference paths repeat them. Segment ids: equal ids attend (causally); the fused
     kernels also need each document to be one contiguous run in its row (attention_kernels.py).
     """
-    core = resolve_attention(impl, platforms.target_device(), q_bthk.dtype,
-                             (q_bthk.shape[-1], v_bshv.shape[-1]))
+    device = _target_device()
+    core = resolve_attention(impl, device, q_bthk.dtype, (q_bthk.shape[-1], v_bshv.shape[-1]))
     if core in KERNELS:
         return kernel_attention(q_bthk, k_bshk, v_bshv, segment_ids_bt, scale, core,  # type: ignore[arg-type]
-                                platforms.target_device())
+                                device)
     group = q_bthk.shape[2] // k_bshk.shape[2]
     if group > 1:
         k_bshk, v_bshv = jnp.repeat(k_bshk, group, axis=2), jnp.repeat(v_bshv, group, axis=2)

@@ -224,7 +224,10 @@ def _train_hlo(mesh: jax.sharding.Mesh, impl: str, b: int, h: int, g: int, kd: i
     spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=rows)  # noqa: E731
     specs = (spec((b, _T, h, kd)), spec((b, _T, g, kd)), spec((b, _T, g, vd)), spec((b, _T), jnp.int32),
              spec((b, _T, h, vd), jnp.float32))
-    art = aot.compile_scheduled_hlo(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), *specs, target="h200")
+    # The target as the default device while tracing (compile_scheduled_hlo does it too, once its
+    # inspect/aot.py change is in): attention `auto` reads it.
+    with jax.default_device(mesh.devices.flat[0]):
+        art = aot.compile_scheduled_hlo(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), *specs, target="h200")
     return art.hlo_text, art.memory
 
 
@@ -271,7 +274,8 @@ def test_h200_tensor_parallel_prefill_compiles_with_the_kernel() -> None:
     cfg = load_config("tiny", parse_overrides(["model.dtype=bfloat16", "model.num_layers=2"]))
     mesh = jax.sharding.Mesh(gpus.devices.reshape(1, 1, 2), ("data", "expert", "tensor"))
     fn, specs = steps.build_prefill_step(cfg, batch=1, seq_len=128)(mesh, "farskip")
-    hlo = aot.compile_scheduled_hlo(fn, *specs, target="h200").hlo_text
+    with jax.default_device(gpus.devices.flat[0]):
+        hlo = aot.compile_scheduled_hlo(fn, *specs, target="h200").hlo_text
     attn = [c for c in _kernel_calls(hlo) if "attention/core" in c]
     assert len(attn) == 2
 
@@ -295,7 +299,8 @@ for n, b in ((1, 2), (8, 8)):
     loss = lambda q, k, v, s, ct: jnp.sum(attention_core(q, k, v, s, 0.1, "auto").astype(jnp.float32) * ct)
     bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     for name, fn, args in (("fwd", fwd, qkv), ("train", bwd, qkv + (spec((b, T, 4, 128), jnp.float32),))):
-        art = aot.compile_scheduled_hlo(fn, *args, target="mi300x")
+        with jax.default_device(mesh.devices.flat[0]):
+            art = aot.compile_scheduled_hlo(fn, *args, target="mi300x")
         txt = art.hlo_text
         out[f"{name}_{n}"] = {
             "kernels": len(re.findall(r'custom_call_target="__gpu\$xla\.gpu\.triton"', txt)),
