@@ -1,16 +1,27 @@
-"""Blocked grouped matmul for XLA:CPU: x[r] @ w[group of r] over expert-sorted rows, real rows only.
+"""Grouped matmuls x[r] @ w[group of r] over expert-sorted rows, real rows only, beyond XLA's own
+`jax.lax.ragged_dot`: blocks of rows in a loop for XLA:CPU (`blocked_matmul`) and tokamax's
+Pallas Mosaic GPU kernel for Hopper (`tokamax_ragged_dot`).
 
-Why: on XLA:CPU `jax.lax.ragged_dot` is a masked dense matmul over every group, and the padded
-[G, C, D] buffer of model/dispatch.py gives every group C = all rows (dropless), so both compute
-G/K times the rows the tokens really send (10.7x for DSV2-Lite top-6 of 64). Here the sorted rows are
-cut into blocks of `block` rows that each lie inside one group: sum_g ceil(count_g / block) <= R/block
-+ G blocks, a dynamic trip count of one `lax.fori_loop`. Each block multiplies its rows by its
-group's weight slice and writes back only the rows of that group (masked), so a block may overhang
-into the next group's rows without clobbering them. The backward pass (custom VJP) walks the same
-blocks: dx with the weight slice transposed, dW of each group accumulated block by block.
+Blocked (CPU). Why: on XLA:CPU `jax.lax.ragged_dot` is a masked dense matmul over every group, and
+the padded [G, C, D] buffer of model/dispatch.py gives every group C = all rows (dropless), so both
+compute G/K times the rows the tokens really send (10.7x for DSV2-Lite top-6 of 64). Here the sorted
+rows are cut into blocks of `block` rows that each lie inside one group: sum_g ceil(count_g / block)
+<= R/block + G blocks, a dynamic trip count of one `lax.fori_loop`. Each block multiplies its rows
+by its group's weight slice and writes back only the rows of that group (masked), so a block may
+overhang into the next group's rows without clobbering them. The backward pass (custom VJP) walks
+the same blocks: dx with the weight slice transposed, dW of each group accumulated block by block.
+GPUs do not get it: a while loop is opaque to XLA's latency-hiding scheduler, which would hide
+nothing under it.
 
-GPU keeps ragged_dot / padded (model/dispatch.py:resolve_matmul): a while loop is opaque to XLA's
-latency-hiding scheduler, which would hide nothing under it.
+tokamax (H200). On sm_90 XLA lowers `jax.lax.ragged_dot` to a dense masked dot over every group
+(8x the FLOPs at EP8, shared/JAX_012_STACK.md); tokamax's kernel computes the rows of each group
+only. Its own VJP cannot be used inside our expert-parallel shard_map: its backward returns
+cotangents without the shard_map's varying-axes type ("the manual axis types do not match"), so
+`tokamax_ragged_dot` has its own custom VJP made of the same two kernels (dx: a ragged dot with the
+weights transposed; dW: a ragged dot whose contraction runs over the ragged rows) and types its
+result like its rows and each cotangent like its primal (a Pallas kernel's outputs vary over no
+shard_map axis by type). tokamax picks its kernel from JAX's default device, which a deviceless
+compile sets to the target's (inspect/aot.py).
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Rows per block. DSV2-Lite top-6 of 64 experts on 256 tokens averages 24 rows per expert: 32 keeps
 # most groups to one block (each block re-reads its group's [D, F] weight slice) while wasting at
@@ -141,3 +153,70 @@ def _varying_axes(a: jax.Array) -> frozenset[str]:
     aval = jax.typeof(a)
     mat = getattr(aval, "manual_axis_type", None)
     return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+# ------------------------------------------------------------------------------------- tokamax
+
+
+def _dims(contract: tuple[tuple[int, ...], tuple[int, ...]], lhs_ragged: int,
+          rhs_group: tuple[int, ...]) -> jax.lax.RaggedDotDimensionNumbers:
+    return jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(contract, ((), ())),
+                                             lhs_ragged_dimensions=[lhs_ragged],
+                                             rhs_group_dimensions=list(rhs_group))
+
+
+# x [M, K] . w [G, K, N] -> [M, N]; dx = dy [M, N] . w^T (contract N); dW = x^T dy per group
+# (contract the ragged M: the group axis comes out in front).
+_FWD = _dims(((1,), (1,)), 0, (0,))
+_DX = _dims(((1,), (2,)), 0, (0,))
+_DW = _dims(((0,), (0,)), 0, ())
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _tokamax(x_md: jax.Array, w_gkn: jax.Array, sizes_g: jax.Array, implementation: str) -> jax.Array:
+    import tokamax  # imported on first use: the CPU paths never load it
+
+    y = tokamax.ragged_dot_general(x_md, w_gkn, sizes_g, _FWD, implementation=implementation)
+    # A Pallas kernel's result comes back typed as varying over no shard_map axis; it varies like its
+    # rows. The cast is inside the custom VJP, so JAX never transposes it (that would psum cotangents).
+    return _typed_like(y, x_md)
+
+
+def _tokamax_fwd(x_md: jax.Array, w_gkn: jax.Array, sizes_g: jax.Array, implementation: str):
+    return _tokamax(x_md, w_gkn, sizes_g, implementation), (x_md, w_gkn, sizes_g)
+
+
+def _tokamax_bwd(implementation: str, res: tuple[jax.Array, jax.Array, jax.Array], dy_mn: jax.Array):
+    import tokamax
+
+    x_md, w_gkn, sizes_g = res
+    dx = tokamax.ragged_dot_general(dy_mn, w_gkn, sizes_g, _DX, preferred_element_type=x_md.dtype,
+                                    implementation=implementation)
+    dw = tokamax.ragged_dot_general(x_md, dy_mn, sizes_g, _DW, preferred_element_type=w_gkn.dtype,
+                                    implementation=implementation)
+    # Rows past the last group carry no assignment: their dx is 0 by definition, whatever the kernel
+    # leaves there.
+    rows = jnp.arange(x_md.shape[0], dtype=jnp.int32)
+    dx = jnp.where((rows < jnp.sum(sizes_g))[:, None], dx, 0)
+    return _typed_like(dx, x_md), _typed_like(dw, w_gkn), np.zeros(sizes_g.shape, jax.dtypes.float0)
+
+
+_tokamax.defvjp(_tokamax_fwd, _tokamax_bwd)
+
+
+def _typed_like(ct: jax.Array, primal: jax.Array) -> jax.Array:
+    """`ct` varying over exactly the shard_map axes `primal` varies over (a cotangent's type must be
+    its primal's). The arguments were cast alike before the call (`_vary_alike`), so at most a cast up
+    is needed."""
+    missing = tuple(sorted(_varying_axes(primal) - _varying_axes(ct)))
+    return jax.lax.pcast(ct, missing, to="varying") if missing else ct
+
+
+def tokamax_ragged_dot(x_md: jax.Array, w_gkn: jax.Array, sizes_g: jax.Array,
+                       implementation: str = "mosaic") -> jax.Array:
+    """[M, N]: row r of `x_md` times w[g] for the group g whose rows (consecutive, `sizes_g` [G] of them
+    from row 0) hold r; rows past sum(sizes_g) are unspecified (callers never read them) and get no
+    gradient. `implementation`: tokamax's ("mosaic" on Hopper; "xla" runs anywhere, which is how the
+    CPU tests check this function's VJP and types)."""
+    x_md, w_gkn, sizes_g = _vary_alike(x_md, w_gkn, jnp.asarray(sizes_g, jnp.int32))
+    return _tokamax(x_md, w_gkn, sizes_g, implementation)

@@ -1,8 +1,14 @@
-"""Blocked grouped matmul (farskip_jax/model/grouped_matmul.py) against the padded buffer and numpy.
+"""Grouped matmuls (farskip_jax/model/grouped_matmul.py) against the padded buffer and numpy.
 
-fp32, forward and gradients to x and to the weights, <= 1e-6, on group layouts that exercise every
-block case: empty groups, groups longer than a block, a block overhanging the next group, rows past
-the last group, and a last block clamped to the end of the rows.
+Blocked: fp32, forward and gradients to x and to the weights, <= 1e-6, on group layouts that
+exercise every block case: empty groups, groups longer than a block, a block overhanging the next
+group, rows past the last group, and a last block clamped to the end of the rows.
+
+tokamax: the kernel (Mosaic GPU) cannot run here, so `tokamax_ragged_dot` runs with tokamax's "xla"
+implementation, which has the same API: that checks what is ours, the custom VJP (the dimension
+numbers of both gradient kernels, the zeroed rows past the groups) and the cotangents' shard_map
+types, against jax.lax.ragged_dot's own autodiff, on one device and inside an expert-parallel
+shard_map whose weights do not vary over the data axis.
 """
 
 from __future__ import annotations
@@ -11,9 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
+from farskip_jax.config import MeshConfig
 from farskip_jax.model import dispatch
-from farskip_jax.model.grouped_matmul import blocked_matmul
+from farskip_jax.model.grouped_matmul import blocked_matmul, tokamax_ragged_dot
+from farskip_jax.parallel import make_mesh
 
 TOL = 1e-6
 # (group sizes, rows R): sum(sizes) <= R; rows past sum(sizes) belong to no group.
@@ -85,6 +94,60 @@ def test_auto_picks_blocked_on_cpu_only():
             self.platform = platform
 
     assert dispatch.resolve_matmul("auto", Dev("cpu")) == "blocked"
-    assert dispatch.resolve_matmul("auto", Dev("cuda")) == "padded"
+    assert dispatch.resolve_matmul("auto", Dev("cuda")) == "tokamax"
+    assert dispatch.resolve_matmul("auto", Dev("cuda"), "float32") == "ragged"  # the kernel takes no fp32
     assert dispatch.resolve_matmul("auto", Dev("rocm")) == "ragged"
     assert dispatch.resolve_matmul("blocked", Dev("cuda")) == "blocked"
+
+
+def _ragged_loss(dot, sizes: jax.Array, cot: jax.Array, valid: jax.Array):
+    def f(x, w):
+        y = dot(x, w, sizes)
+        return jnp.sum(jnp.where(valid[:, None], y, 0) * cot), y
+    return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_tokamax_vjp_equals_ragged_dot(layout):
+    sizes, rows = LAYOUTS[layout]
+    x, w, starts, valid = _setup(sizes, rows, seed=4)
+    cot = jnp.asarray(np.random.default_rng(5).standard_normal((rows, w.shape[2])), jnp.float32)
+    sizes_g = jnp.diff(starts)
+    tok = lambda a, b, s: tokamax_ragged_dot(a, b, s, implementation="xla")  # noqa: E731
+    (lt, yt), (dxt, dwt) = jax.jit(_ragged_loss(tok, sizes_g, cot, valid))(x, w)
+    (lr, yr), (dxr, dwr) = jax.jit(_ragged_loss(jax.lax.ragged_dot, sizes_g, cot, valid))(x, w)
+    v = np.asarray(valid)
+    np.testing.assert_allclose(np.asarray(yt)[v], np.asarray(yr)[v], rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(lt, lr, rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(np.asarray(dwt), np.asarray(dwr), rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(np.asarray(dxt)[v], np.asarray(dxr)[v], rtol=TOL, atol=TOL)
+    assert not np.asarray(dxt)[~v].any()  # rows past the groups get no gradient
+    # the weight gradient is not the trivial one: a wrong contraction would not match ragged_dot's
+    assert float(np.abs(np.asarray(dwt)).max()) > 1e-3
+
+
+def test_tokamax_vjp_types_inside_the_expert_parallel_shard_map():
+    """Weights split over `expert` and replicated over `data`, rows split over both (the EP layout):
+    the weight gradient must come back typed like the weights, summed over `data`."""
+    mesh = make_mesh(MeshConfig(data=2, expert=4))
+    rng = np.random.default_rng(6)
+    local, rows, d, f = 2, 12, 5, 6
+    x = jnp.asarray(rng.standard_normal((8 * rows, d)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((4 * local, d, f)) / np.sqrt(d), jnp.float32)
+    sizes = jnp.asarray(np.tile([5, 4], 8), jnp.int32)  # per shard: 9 of its 12 rows in groups
+
+    def loss(dot):
+        def body(x, w, s):
+            y = dot(x, w, s)
+            keep = (jnp.arange(rows) < jnp.sum(s))[:, None]
+            return jax.lax.psum(jnp.sum(jnp.where(keep, y, 0) ** 2), ("data", "expert"))
+        row_spec = P(("data", "expert"))
+        smap = jax.shard_map(body, mesh=mesh, in_specs=(row_spec, P("expert"), row_spec),
+                             out_specs=P())
+        return jax.jit(jax.value_and_grad(lambda x, w: smap(x, w, sizes), argnums=(0, 1)))
+
+    tok = lambda a, b, s: tokamax_ragged_dot(a, b, s, implementation="xla")  # noqa: E731
+    (lt, (dxt, dwt)), (lr, (dxr, dwr)) = loss(tok)(x, w), loss(jax.lax.ragged_dot)(x, w)
+    np.testing.assert_allclose(lt, lr, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(dwt), np.asarray(dwr), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dxt), np.asarray(dxr), rtol=1e-5, atol=1e-5)
