@@ -295,19 +295,28 @@ def compute_logits(checkpoint: str | Path, ids: np.ndarray, overrides: dict[str,
     from farskip_jax.parallel import batch_sharding, ep_forward, make_mesh, place, tp_forward
 
     jmesh = make_mesh(mesh)
+    # Bounded routed-expert buffers first; if they overflowed, the same call with the worst case.
     if mesh.tensor > 1:
         graphdef, state = nnx.split(from_pretrained(checkpoint, **overrides))
-        tp = tp_forward(graphdef, state, jmesh)
+        forwards = [tp_forward(graphdef, state, jmesh, bounded=bounded) for bounded in (True, False)]
         placed = place(state, jmesh, "tp")
         del state
-        logits = jax.jit(lambda s, i: tp(s, i)[0])(placed, ids)
+        for tp in forwards:
+            logits, _, overflow = jax.jit(tp)(placed, ids)
+            if not int(overflow):
+                break
         return np.asarray(jax.device_get(logits), dtype=np.float32)
     # Loading with the mesh puts each expert stack straight into its shard (no full copy on one device).
     graphdef, state = nnx.split(from_pretrained(checkpoint, mesh=jmesh, **overrides))
     state = place(state, jmesh, "ep")  # every other leaf replicated; a no-op for those already placed
-    ep = ep_forward(graphdef, jmesh)
     padded = jax.device_put(pad_rows(ids, mesh.data * mesh.expert), batch_sharding(jmesh))
-    logits = jax.jit(lambda s, i: ep(s, i).logits)(state, padded)
+    for bounded in (True, False):
+        ep = ep_forward(graphdef, jmesh, bounded=bounded)
+        logits, overflow = jax.jit(
+            lambda s, i, ep=ep: (lambda o: (o.logits, o.aux["moe_overflow"]))(ep(s, i)))(
+            state, padded)
+        if not int(overflow):
+            break
     return np.asarray(jax.device_get(logits), dtype=np.float32)[: ids.shape[0]]
 
 

@@ -183,11 +183,20 @@ class ModelConfig:
     # expert per sequence; the lowest-router-weight assignments are dropped first, so one device and
     # any expert-parallel mesh drop the same ones.
     capacity_factor: float = 0.0
-    # Grouped expert GEMM over the expert-sorted tokens: jax.lax.ragged_dot, a padded per-expert
-    # buffer with a batched einsum, blocks of real rows in a loop (model/grouped_matmul.py), or
-    # auto = ragged on ROCm (hipBLASLt grouped GEMM), padded on CUDA, blocked on CPU
-    # (model/dispatch.py:resolve_matmul; BENCHMARKS.md has the measurements).
-    expert_matmul: Literal["auto", "ragged", "padded", "blocked"] = "auto"
+    # Optimistic dropless: under expert or tensor parallelism each rank's routed-expert buffers hold
+    # this many times the rows balanced routing gives it (rounded up to 8 rows, at most the worst
+    # case: every token's assignments on one rank). A forward whose busiest rank needs more reports
+    # `moe_overflow`, and every entry point (trainer, eval, teacher cache, generation, logits) re-runs
+    # it with the worst-case program, so results stay exactly dropless. 0 = always the worst case.
+    # 2.0 from bench/routing_stats.py (DSV2-Lite-shaped routers at EP8: no step over 2x until the
+    # busiest expert carries ~4x its share; BENCHMARKS.md K).
+    moe_buffer_factor: float = 2.0
+    # Grouped expert GEMM over the expert-sorted tokens: jax.lax.ragged_dot (hipBLASLt's grouped
+    # GEMM on ROCm, a dense masked dot on CUDA), tokamax's ragged_dot kernel (Pallas Mosaic GPU,
+    # Hopper; real rows only, forward and both gradients), a padded per-expert buffer with a batched
+    # einsum, blocks of real rows in a loop (model/grouped_matmul.py), or auto = ragged on ROCm,
+    # tokamax on CUDA, blocked on CPU (model/dispatch.py:resolve_matmul).
+    expert_matmul: Literal["auto", "ragged", "tokamax", "padded", "blocked"] = "auto"
     # Expert-parallel token exchange: ragged_all_to_all (GPU), per-destination buffers with a plain
     # all_to_all (works everywhere, XLA:CPU included), or auto = ragged on GPU meshes, padded elsewhere.
     ep_exchange: Literal["auto", "ragged", "padded"] = "auto"
@@ -318,6 +327,9 @@ class ModelConfig:
                                   f"got {self.topk_group}")
             if self.topk_group * (self.n_routed_experts // self.n_group) < self.num_experts_per_tok:
                 raise ConfigError("model.topk_group groups hold fewer experts than num_experts_per_tok")
+        if self.moe_buffer_factor != 0 and self.moe_buffer_factor < 1:
+            raise ConfigError(f"model.moe_buffer_factor must be 0 (always the worst case) or >= 1 (times "
+                              f"the balanced rows), got {self.moe_buffer_factor}")
         if self.tp_microbatches > 1 and self.capacity_factor > 0:
             raise ConfigError("model.tp_microbatches > 1 needs dropless routing "
                               "(model.capacity_factor <= 0): capacity is counted per sequence, so chunks "

@@ -14,6 +14,7 @@ and prefill (`residual_step`): the y stream goes from layer to layer within each
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -94,21 +95,27 @@ def tensor_parallel_mesh(cfg: ModelConfig, devices: Sequence[jax.Device]) -> jax
 
 
 class Generator:
-    """Compiled prefill and decode for one model (single device, or TP over `mesh`'s tensor axis)."""
+    """Compiled prefill and decode for one model (single device, or TP over `mesh`'s tensor axis).
+
+    Under TP each rank's routed-expert rows are bounded (`model.moe_buffer_factor`); a prefill or
+    decode step whose routing overflows a rank's bound is run again by the worst-case program
+    (compiled on its first use) on the caches it returned, which overwrites every slot the void
+    step wrote, so generation is exactly dropless. `overflows` counts those re-runs.
+    """
 
     def __init__(self, model: Transformer, mesh: jax.sharding.Mesh | None = None):
         self.cfg = model.cfg
         graphdef, state = nnx.split(model)
         self.cache_dtype = DTYPES[self.cfg.dtype]
         if mesh is None:
-            def forward(prefill: bool) -> Callable:
+            def forward(prefill: bool, bounded: bool) -> Callable:
                 return lambda s, ids, pos, caches: nnx.merge(graphdef, s).cached_forward(
                     ids, pos, caches, prefill=prefill)
         else:
             from farskip_jax.parallel import tp_cached_forward
 
-            def forward(prefill: bool) -> Callable:
-                return tp_cached_forward(graphdef, state, mesh, prefill)
+            def forward(prefill: bool, bounded: bool) -> Callable:
+                return tp_cached_forward(graphdef, state, mesh, prefill, bounded=bounded)
         self.mesh = mesh
         self.load(state)
 
@@ -116,18 +123,30 @@ class Generator:
             return nnx.merge(graphdef, s).logits(hidden_bd)
 
         # `how` = (temperature, top_p): static, one compile per sampling rule (the seed is data).
-        def prefill(s, ids, lengths, caches, key, how):
+        def prefill(bounded, s, ids, lengths, caches, key, how):
             pos = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
-            hidden, caches = forward(True)(s, ids, pos, caches)
+            hidden, caches, overflow = forward(True, bounded)(s, ids, pos, caches)
             last = hidden[jnp.arange(ids.shape[0]), lengths - 1]
-            return pick(logits(s, last), *how, key), caches
+            return pick(logits(s, last), *how, key), caches, overflow
 
-        def decode(s, tokens, positions, caches, key, how):
-            hidden, caches = forward(False)(s, tokens[:, None], positions[:, None], caches)
-            return pick(logits(s, hidden[:, 0]), *how, key), caches
+        def decode(bounded, s, tokens, positions, caches, key, how):
+            hidden, caches, overflow = forward(False, bounded)(s, tokens[:, None], positions[:, None], caches)
+            return pick(logits(s, hidden[:, 0]), *how, key), caches, overflow
 
-        self._prefill = jax.jit(prefill, static_argnums=5, donate_argnums=3)
-        self._decode = jax.jit(decode, static_argnums=5, donate_argnums=3)
+        self._steps = {(name, bounded): jax.jit(functools.partial(fn, bounded), static_argnums=5,
+                                                donate_argnums=3)
+                       for name, fn in (("prefill", prefill), ("decode", decode))
+                       for bounded in (True, False)}
+        self.overflows = 0
+
+    def _run(self, name: str, s: nnx.State, ids: jax.Array, aux: jax.Array, caches: tuple, key: jax.Array,
+             how: tuple[float, float]) -> tuple[jax.Array, tuple]:
+        """One prefill or decode step (bounded buffers; re-run by the worst-case program on an overflow)."""
+        tokens, caches, overflow = self._steps[(name, True)](s, ids, aux, caches, key, how)
+        if int(overflow):
+            self.overflows += 1
+            tokens, caches, _ = self._steps[(name, False)](s, ids, aux, caches, key, how)
+        return tokens, caches
 
     def load(self, state: nnx.State) -> None:
         """Generate with these parameters from now on (same model graph; nothing recompiles). With a
@@ -164,8 +183,8 @@ class Generator:
         key = jax.random.key(sampling.seed)
         how = (float(sampling.temperature), float(sampling.top_p))
         ids = jnp.asarray(np.where(prompts == PAD, 0, prompts), jnp.int32)
-        tokens, caches = self._prefill(self.state, ids, jnp.asarray(lengths), caches,
-                                       jax.random.fold_in(key, 0), how)
+        tokens, caches = self._run("prefill", self.state, ids, jnp.asarray(lengths), caches,
+                                   jax.random.fold_in(key, 0), how)
         new = np.full((batch, max_new_tokens), PAD, np.int32)
         live = np.ones(batch, bool)
         eos = np.asarray(list(eos_ids), np.int32)
@@ -178,8 +197,8 @@ class Generator:
             if not live.any() or step + 1 == max_new_tokens:
                 break
             positions = jnp.asarray(lengths + step, jnp.int32)
-            tokens, caches = self._decode(self.state, tokens, positions, caches,
-                                          jax.random.fold_in(key, step + 1), how)
+            tokens, caches = self._run("decode", self.state, tokens, positions, caches,
+                                       jax.random.fold_in(key, step + 1), how)
         out = np.full((batch, width + max_new_tokens), PAD, np.int32)
         for b in range(batch):
             row = np.concatenate([prompts[b, : lengths[b]], new[b][new[b] != PAD]])

@@ -147,6 +147,19 @@ def use_cpu_for_deviceless_compile() -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
+def target_device():
+    """The device the program being traced will run on: JAX's default device, which a deviceless
+    compile sets to one of the target's compile-only devices while it traces (inspect/aot.py).
+
+    Kernel choices that depend on the hardware (`expert_matmul: auto`, `attention: auto`, and
+    tokamax's own kernel selection) read it, so a CPU-hosted compile for an H200 picks the H200's
+    kernels and a CPU test run picks the CPU's paths.
+    """
+    from jax.extend import backend
+
+    return backend.get_default_device()
+
+
 # Importing this module (farskip_jax/__init__.py does, first) is what configures the process, so
 # that no farskip_jax entry point can reach a JAX backend before the choice is made.
 configure()

@@ -11,6 +11,7 @@ Requirements: ``JAX_PLATFORMS=cpu`` (so JAX does not try to open real GPU client
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import math
 import os
@@ -182,9 +183,14 @@ def compile_scheduled_hlo(jitted_fn: Any, *arg_specs: Any, target: str,
     old_min_time = getattr(jax.config, min_time_key)
     if target != "local":
         jax.config.update(min_time_key, 1e12)
+    devices = _devices_of(arg_specs)
     try:
         t0 = time.perf_counter()
-        lowered = jitted_fn.lower(*arg_specs)
+        # The target's device is the default device while tracing: whatever picks a kernel by the
+        # device it will run on (tokamax's kernels, `expert_matmul: auto`, `attention: auto`, all
+        # through `platforms.target_device()`) then picks the target's, not the host CPU's.
+        with (jax.default_device(devices[0]) if devices and target != "local" else contextlib.nullcontext()):
+            lowered = jitted_fn.lower(*arg_specs)
         t1 = time.perf_counter()
         compiled = lowered.compile(compiler_options=opts) if opts else lowered.compile()
         t2 = time.perf_counter()
@@ -199,7 +205,6 @@ def compile_scheduled_hlo(jitted_fn: Any, *arg_specs: Any, target: str,
         jax.config.update(min_time_key, old_min_time)
         if tmp is not None:
             tmp.cleanup()
-    devices = _devices_of(arg_specs)
     return CompiledArtifacts(
         target=target, hlo_text=text, lower_seconds=t1 - t0, compile_seconds=t2 - t1,
         compiler_options={k: v for k, v in opts.items() if k != "xla_dump_to"}, lhs_schedule_text=sched,

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from farskip_jax.config import Config, ModelConfig
-from farskip_jax.model.dispatch import rows_per_expert
+from farskip_jax.model.dispatch import moe_buffer
 from farskip_jax.model.transformer import Transformer, with_farskip
 from farskip_jax.parallel import param_specs_tree, replicate_kv_heads, tp_forward
 
@@ -93,17 +93,18 @@ def balanced_grouped_fill(cfg: ModelConfig, mesh: dict[str, int], expert_paralle
     """The fraction of a grouped GEMM's static rows that hold tokens when routing is balanced.
 
     ``tokens``: per device under expert parallelism (``expert_parallel``), per TP group otherwise.
-    EP: a device's N tokens send N*K rows and, balanced, receive N*K, into a buffer of G * per-source
-    rows (``parallel.collectives``: min(N*min(K, L), L*C) each; dropless that is 8x N*K for
-    DSV2-Lite at G=8). TP: every rank sorts all N*K assignments and computes its 1/G share.
+    The rows are what `dispatch.moe_buffer` sizes: EP, a rank's receive buffer from its G sources
+    (ragged exchange: the GPU path); TP, a rank's share of the N*K sorted assignments (bounded by
+    the same rule; without a bound, all N*K rows are the GEMM's static rows and 1/G of them fill).
     """
-    k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
-    if not expert_parallel:
-        return 1.0 / mesh.get("tensor", 1)
-    g = mesh.get("expert", 1)
-    local = e // g
-    per_src = min(tokens * min(k, local), local * rows_per_expert(tokens, seq_len, cfg))
-    return min(1.0, tokens * k / (g * per_src))
+    if expert_parallel:
+        g = mesh.get("expert", 1)
+        buf = moe_buffer(cfg, tokens, g, seq_len, sources=g)
+        return min(1.0, buf.balanced / buf.rows)
+    g = mesh.get("tensor", 1)
+    buf = moe_buffer(cfg, tokens, g, seq_len)
+    rows = buf.rows if buf.bounded else tokens * cfg.num_experts_per_tok
+    return min(1.0, buf.balanced / rows)
 
 
 def build_prefill_step(cfg: Config, batch: int, seq_len: int
@@ -119,7 +120,8 @@ def build_prefill_step(cfg: Config, batch: int, seq_len: int
         fwd = tp_forward(graphdef, params, mesh)
         replicated = NamedSharding(mesh, P())
         ids = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=replicated)
-        return jax.jit(lambda s, i: fwd(s, i)[0]), (_abstract(params, p_shard), ids)
+        # logits and the overflow flag (what generation reads to decide on a re-run)
+        return jax.jit(lambda s, i: fwd(s, i)[::2]), (_abstract(params, p_shard), ids)
 
     return build
 
@@ -151,8 +153,8 @@ def build_decode_step(cfg: Config, batch: int, cache_len: int
         column = jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=replicated)
 
         def step(state, tokens, positions, caches):
-            hidden, caches = fwd(state, tokens, positions, caches)
-            return nnx.merge(graphdef, state).logits(hidden[:, 0]), caches
+            hidden, caches, overflow = fwd(state, tokens, positions, caches)
+            return nnx.merge(graphdef, state).logits(hidden[:, 0]), caches, overflow
 
         return jax.jit(step, donate_argnums=3), (_abstract(params, p_shard), column, column, caches)
 

@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 
 from farskip_jax.config import ModelConfig
-from farskip_jax.model.grouped_matmul import blocked_matmul
+from farskip_jax.model.grouped_matmul import blocked_matmul, tokamax_ragged_dot
 
-ExpertMatmul = Literal["ragged", "padded", "blocked"]
+ExpertMatmul = Literal["ragged", "tokamax", "padded", "blocked"]
 DeviceFamily = Literal["cpu", "cuda", "rocm"]
 
 # checkpoint_name tags of the expert-parallel all-to-all outputs (parallel/collectives.py);
@@ -53,22 +53,59 @@ def device_family(device: Any) -> DeviceFamily:
     return "cuda"
 
 
-def resolve_matmul(mode: str, device: Any) -> ExpertMatmul:
-    """expert_matmul "auto": ragged on ROCm, padded on CUDA, blocked on CPU (measured, BENCHMARKS.md).
+def resolve_matmul(mode: str, device: Any, dtype: str = "bfloat16") -> ExpertMatmul:
+    """expert_matmul "auto": ragged on ROCm, tokamax on CUDA (bf16/fp16; its Mosaic kernel takes no
+    fp32, which gets ragged), blocked on CPU (BENCHMARKS.md). `dtype`: the compute dtype.
 
-    On ROCm, ragged_dot lowers to hipBLASLt's grouped GEMM, which computes only the rows each
-    expert really has. On CUDA (jaxlib 0.10.2) it lowers to a dense masked matmul over every
-    group: 82 TFLOP per DSV2-Lite EP=8 layer step against 14 for the padded buffer. On XLA:CPU
-    ragged_dot is masked-dense too and the dropless padded buffer does G/K times the real rows;
-    "blocked" (model/grouped_matmul.py) does only the real rows. GPUs do not get it: its while loop
-    is opaque to XLA's latency-hiding scheduler, which would stop overlapping FarSkip's collectives.
+    Each computes only the rows the groups really hold: on ROCm ragged_dot lowers to hipBLASLt's
+    grouped GEMM; on CUDA it lowers to a dense masked matmul over every group (8x the FLOPs per
+    DSV2-Lite EP=8 layer), so CUDA gets tokamax's Mosaic GPU kernel instead; on XLA:CPU ragged_dot is
+    masked-dense too and "blocked" (model/grouped_matmul.py) does only the real rows. GPUs do not
+    get "blocked": its while loop is opaque to XLA's latency-hiding scheduler.
     """
     if mode == "auto":
         family = device_family(device)
-        return "blocked" if family == "cpu" else "ragged" if family == "rocm" else "padded"
-    if mode not in ("ragged", "padded", "blocked"):
-        raise ValueError(f"expert_matmul={mode!r}: expected 'auto', 'ragged', 'padded' or 'blocked'")
+        if family == "cpu":
+            return "blocked"
+        return "tokamax" if family == "cuda" and dtype in ("bfloat16", "float16") else "ragged"
+    if mode not in ("ragged", "tokamax", "padded", "blocked"):
+        raise ValueError(f"expert_matmul={mode!r}: expected 'auto', 'ragged', 'tokamax', 'padded' "
+                         "or 'blocked'")
     return mode  # type: ignore[return-value]
+
+
+class MoeBuffer(NamedTuple):
+    """Rows of one rank's routed-expert buffer (`moe_buffer`)."""
+
+    rows: int  # what the buffer holds
+    worst: int  # what the worst case needs: `rows` can never overflow when they are equal
+    balanced: float  # what balanced routing fills
+
+    @property
+    def bounded(self) -> bool:
+        return self.rows < self.worst
+
+
+def moe_buffer(cfg: ModelConfig, tokens: int, ranks: int, seq_len: int, sources: int = 1) -> MoeBuffer:
+    """The rows a rank's routed-expert buffer needs for `sources` senders of `tokens` tokens each, when
+    the `cfg.n_routed_experts` experts are split over `ranks` ranks (the one place that sizes them:
+    expert and tensor parallelism, the inspector's cost model).
+
+    Expert parallelism: a rank's receive buffer (`sources` = ranks, each holding `tokens`) or one
+    source's slot in it (`sources` = 1, the padded exchange's per-destination buffers). Tensor
+    parallelism: every rank sees the same `tokens` (`sources` = 1). Worst case: a token's K experts are
+    distinct, so at most min(K, L) of its rows reach one rank, and with a capacity each local expert
+    takes at most `rows_per_expert`. Balanced: tokens * K / ranks per source. The bound is
+    `cfg.moe_buffer_factor` x balanced, rounded up to 8 rows, capped by the worst case (factor 0: the
+    worst case).
+    """
+    k, local = cfg.num_experts_per_tok, cfg.n_routed_experts // ranks
+    worst = sources * min(tokens * min(k, local), local * rows_per_expert(tokens, seq_len, cfg))
+    balanced = sources * tokens * k / ranks
+    if cfg.moe_buffer_factor <= 0:
+        return MoeBuffer(worst, worst, balanced)
+    bound = 8 * math.ceil(math.ceil(cfg.moe_buffer_factor * balanced) / 8)
+    return MoeBuffer(min(worst, bound), worst, balanced)
 
 
 def expert_capacity(seq_len: int, cfg: ModelConfig) -> int:
@@ -228,7 +265,8 @@ def grouped_ffn(x_rd: jax.Array, starts_g: jax.Array, w_gate: jax.Array, w_up: j
                 w_down: jax.Array, matmul: ExpertMatmul, rows_per_group: int) -> jax.Array:
     """SwiGLU silu(x Wg) * (x Wu) Wd of each group's rows with that group's weights: [R, D].
 
-    "ragged": three jax.lax.ragged_dot over the sorted rows. "blocked": three blocked_matmul
+    "ragged" / "tokamax": three jax.lax.ragged_dot / tokamax_ragged_dot over the sorted rows (the groups
+    start at row 0: `starts_g[0] == 0`). "blocked": three blocked_matmul
     (model/grouped_matmul.py, blocks of real rows in a loop; rows past the last group give 0).
     "padded": each row placed at its (group, position in group) of a [G, C, D] buffer (C =
     `rows_per_group`, the most a group can hold), a batched einsum, and the results gathered back
@@ -238,15 +276,16 @@ def grouped_ffn(x_rd: jax.Array, starts_g: jax.Array, w_gate: jax.Array, w_up: j
     """
     dt = x_rd.dtype
     wg, wu, wd = w_gate.astype(dt), w_up.astype(dt), w_down.astype(dt)
-    if matmul == "ragged":
+    if matmul in ("ragged", "tokamax"):
+        dot = jax.lax.ragged_dot if matmul == "ragged" else tokamax_ragged_dot
         sizes_g = jnp.diff(starts_g)
-        h = jax.nn.silu(jax.lax.ragged_dot(x_rd, wg, sizes_g)) * jax.lax.ragged_dot(x_rd, wu, sizes_g)
-        return jax.lax.ragged_dot(h, wd, sizes_g)
+        h = jax.nn.silu(dot(x_rd, wg, sizes_g)) * dot(x_rd, wu, sizes_g)
+        return dot(h, wd, sizes_g)
     if matmul == "blocked":
         h = jax.nn.silu(blocked_matmul(x_rd, wg, starts_g)) * blocked_matmul(x_rd, wu, starts_g)
         return blocked_matmul(h, wd, starts_g)
     if matmul != "padded":
-        raise ValueError(f"expert_matmul={matmul!r}: expected 'ragged', 'padded' or 'blocked'")
+        raise ValueError(f"expert_matmul={matmul!r}: expected 'ragged', 'tokamax', 'padded' or 'blocked'")
     r = x_rd.shape[0]
     g, c = w_gate.shape[0], rows_per_group
     rows = jnp.arange(r, dtype=jnp.int32)
@@ -270,10 +309,26 @@ def weighted_sum(y_nkd: jax.Array, valid_nk: jax.Array, weights_nk: jax.Array) -
 
 def routed_experts(x_nd: jax.Array, ids_nk: jax.Array, weights_nk: jax.Array, w_gate: jax.Array,
                    w_up: jax.Array, w_down: jax.Array, matmul: ExpertMatmul,
-                   rows_per_group: int) -> jax.Array:
-    """Routed output [N, D] of the assignments to experts 0..G-1 of `w_*`; ids >= G are skipped."""
+                   rows_per_group: int, rows: int | None = None) -> jax.Array:
+    """Routed output [N, D] of the assignments to experts 0..G-1 of `w_*`; ids >= G are skipped.
+
+    `rows`: compute only the first `rows` expert-sorted rows (the assignments to experts 0..G-1 sort
+    first; tensor parallelism bounds each rank's share by `moe_buffer`). Assignments sorted past it
+    get no output, so a caller that bounds must check the count itself (`local_rows`) and treat a
+    larger one as an overflow."""
     n, k = ids_nk.shape
     num_groups = w_gate.shape[0]
     srt = sort_by_group(ids_nk.reshape(-1), num_groups)
-    y_rd = grouped_ffn(x_nd[srt.order_a // k], srt.starts_g, w_gate, w_up, w_down, matmul, rows_per_group)
-    return weighted_sum(y_rd[srt.inv_a].reshape(n, k, -1), ids_nk < num_groups, weights_nk)
+    starts_g, order_a = srt.starts_g, srt.order_a
+    if rows is not None and rows < order_a.shape[0]:
+        order_a, starts_g = order_a[:rows], jnp.minimum(starts_g, rows)
+        rows_per_group = min(rows_per_group, rows)
+    y_rd = grouped_ffn(x_nd[order_a // k], starts_g, w_gate, w_up, w_down, matmul, rows_per_group)
+    r = order_a.shape[0]
+    kept = (ids_nk < num_groups) & (srt.inv_a < r).reshape(n, k)  # rows past `rows` are selected away
+    return weighted_sum(y_rd[jnp.minimum(srt.inv_a, r - 1)].reshape(n, k, -1), kept, weights_nk)
+
+
+def local_rows(ids_nk: jax.Array, num_groups: int) -> jax.Array:
+    """int32 []: the assignments to groups 0..`num_groups`-1 (the rows `routed_experts` computes)."""
+    return jnp.sum((ids_nk >= 0) & (ids_nk < num_groups)).astype(jnp.int32)

@@ -235,5 +235,7 @@ def residual_step_chunks(xs: Sequence[jax.Array], ys: Sequence[Stale], conn: Con
     xs_new = [r[0] for r in results]
     if staggered:
         xs_new[0] = _after(xs_new[0], previous[-1])
-    aux = {k: sum(r[2][k] for r in results) / len(results) for k in results[0][2]}
+    # Means, except the overflow flags, which are counted (any chunk's overflow voids the result).
+    aux = {k: sum(r[2][k] for r in results) / (1 if k == "moe_overflow" else len(results))
+           for k in results[0][2]}
     return xs_new, [r[1] for r in results], aux

@@ -25,6 +25,7 @@ from flax import nnx
 from farskip_jax.config import ModelConfig
 from farskip_jax.model.dispatch import drop_over_capacity, resolve_matmul, routed_experts, rows_per_expert
 from farskip_jax.model.layers import DTYPES, MLP, normal_init
+from farskip_jax.platforms import target_device
 
 
 @jax.tree_util.register_dataclass
@@ -113,7 +114,9 @@ class RoutedExperts(nnx.Module):
         self.w_down = normal_init(rngs, (e, f, d), pd)
 
 
-RoutedFn = Callable[[jax.Array, Routing, RoutedExperts, ModelConfig], tuple[jax.Array, jax.Array]]
+# (routed [N, D], aux): aux holds "dropped_fraction" (capacity drops) and "moe_overflow" (int32, > 0
+# when a bounded buffer overflowed and the routed output is void; dispatch.moe_buffer).
+RoutedFn = Callable[[jax.Array, Routing, RoutedExperts, ModelConfig], tuple[jax.Array, dict[str, jax.Array]]]
 SharedFn = Callable[[jax.Array], jax.Array]  # shared experts: [N, D] -> [N, D]
 
 
@@ -121,20 +124,23 @@ class SharedScheduler(Protocol):
     """Owner of a `routed_fn` that also runs the shared experts, wherever they hide its collectives."""
 
     def routed_with_shared(self, x_nd: jax.Array, routing: Routing, experts: RoutedExperts, cfg: ModelConfig,
-                           shared_fn: SharedFn | None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-        """(routed [N, D], dropped fraction, shared_fn(x_nd) or None)."""
+                           shared_fn: SharedFn | None
+                           ) -> tuple[jax.Array, dict[str, jax.Array], jax.Array | None]:
+        """(routed [N, D], aux as a RoutedFn's, shared_fn(x_nd) or None)."""
         ...
 
 
 def local_routed(x_nd: jax.Array, routing: Routing, experts: RoutedExperts,
-                 cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """All experts on this device: sort, grouped matmul, un-sort. Returns (routed [N, D], dropped)."""
+                 cfg: ModelConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """All experts on this device: sort, grouped matmul, un-sort. Returns (routed [N, D], aux). The
+    sorted rows are exactly the N*K assignments, so nothing can overflow."""
     ids_nk, dropped = drop_over_capacity(routing.experts_nk, routing.weights_nk, routing.seq_len, cfg)
     with jax.named_scope("experts"):
         routed = routed_experts(x_nd, ids_nk, routing.weights_nk, experts.w_gate[...], experts.w_up[...],
-                                experts.w_down[...], resolve_matmul(cfg.expert_matmul, jax.devices()[0]),
+                                experts.w_down[...],
+                                resolve_matmul(cfg.expert_matmul, target_device(), cfg.dtype),
                                 rows_per_expert(x_nd.shape[0], routing.seq_len, cfg))
-    return routed, dropped
+    return routed, {"dropped_fraction": dropped, "moe_overflow": jnp.zeros((), jnp.int32)}
 
 
 def scaled_assignments(x_nd: jax.Array, routing: Routing, cfg: ModelConfig
@@ -189,14 +195,14 @@ class MoE(nnx.Module):
                 shared_fn = lambda _rows: unscaled_shared(x_nd)  # noqa: E731
         scheduler = getattr(routed_fn, "__self__", None)
         if shared_fn is not None and hasattr(scheduler, "routed_with_shared"):
-            routed, dropped, shared = scheduler.routed_with_shared(routed_in, routed_routing, self.experts,
-                                                                   routed_cfg, shared_fn)
+            routed, routed_aux, shared = scheduler.routed_with_shared(routed_in, routed_routing, self.experts,
+                                                                      routed_cfg, shared_fn)
         else:
-            routed, dropped = routed_fn(routed_in, routed_routing, self.experts, routed_cfg)
+            routed, routed_aux = routed_fn(routed_in, routed_routing, self.experts, routed_cfg)
             shared = None if shared_fn is None else shared_fn(x_nd)
         if self.cfg.expert_input_scaling:  # the K assignments of a token back together
             routed = jnp.sum(routed.reshape(b * t, self.cfg.num_experts_per_tok, d).astype(jnp.float32),
                              axis=1).astype(routed.dtype)
         if shared is not None:
             shared = shared.reshape(b, t, d)
-        return shared, routed.reshape(b, t, d), {**routing.aux, "dropped_fraction": dropped}
+        return shared, routed.reshape(b, t, d), {**routing.aux, **routed_aux}

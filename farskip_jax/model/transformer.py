@@ -107,8 +107,8 @@ class DecoderLayer(nnx.Module):
 
     def cached(self, x: jax.Array, y: Stale, positions: jax.Array, cache: AttentionCache, conn: Connectivity,
                routed_fn: RoutedFn, reduce: ReduceFn | None, prefill: bool
-               ) -> tuple[jax.Array, Stale, AttentionCache]:
-        """(x', y', cache'): this layer at inference, reading and extending its cache. Prefill (the
+               ) -> tuple[jax.Array, Stale, AttentionCache, dict[str, jax.Array]]:
+        """(x', y', cache', aux): this layer at inference, reading and extending its cache. Prefill (the
         prompts, one causal segment per row) runs the training attention, decode the cached one
         (MLA: the absorbed form); the residual wiring, FarSkip's included, is `residual_step` as
         everywhere."""
@@ -124,16 +124,23 @@ class DecoderLayer(nnx.Module):
             written.append(new)
             return out
 
-        x, y, _ = residual_step(x, y, conn, self.is_moe, attn,
-                                functools.partial(self._ffn, routed_fn=routed_fn), reduce)
-        return x, y, written[0]
+        x, y, aux = residual_step(x, y, conn, self.is_moe, attn,
+                                  functools.partial(self._ffn, routed_fn=routed_fn), reduce)
+        return x, y, written[0], aux
 
 
 class ModelOutput(NamedTuple):
     logits: jax.Array | None  # [B, T, V] float32 (None when only hidden states were asked for)
     hidden: jax.Array  # final-normed hidden states [B, T, D]
-    aux: dict[str, jax.Array]  # summed balance losses, mean dropped fraction
+    # summed balance losses, mean dropped fraction, and "moe_overflow" (int32 []: 1 when a bounded
+    # routed-expert buffer overflowed in some layer, so everything here is void; dispatch.moe_buffer)
+    aux: dict[str, jax.Array]
     layer_outputs: tuple[jax.Array, ...]  # residual stream x after each layer (for hidden-state L2)
+
+
+def overflow_flag(counts: Any) -> jax.Array:
+    """int32 []: 1 when any of the per-layer (per-shard, per-chunk) overflow counts is nonzero."""
+    return (jnp.sum(jnp.asarray(counts)) > 0).astype(jnp.int32)
 
 
 class Transformer(nnx.Module):
@@ -223,6 +230,7 @@ class Transformer(nnx.Module):
         n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
         if "dropped_fraction" in aux_sum:
             aux_sum["dropped_fraction"] = aux_sum["dropped_fraction"] / max(n_moe, 1)
+        aux_sum["moe_overflow"] = overflow_flag(aux_sum.get("moe_overflow", 0))
         if chunks > 1:
             x = join(x)
         hidden = self.final_norm(x)  # the final norm reads x; y is dropped
@@ -231,22 +239,27 @@ class Transformer(nnx.Module):
 
     def cached_forward(self, input_ids: jax.Array, positions: jax.Array, caches: tuple[AttentionCache, ...],
                        *, prefill: bool, parallel: Parallelism | None = None
-                       ) -> tuple[jax.Array, tuple[AttentionCache, ...]]:
-        """Inference over per-layer caches (`empty_cache`): (final-normed hidden [B, T, D], updated caches).
-        `prefill`: `input_ids` [B, T] are the prompts (right-padded rows: the padding is written to
-        the cache but never attended to); otherwise each row's new tokens at `positions`."""
+                       ) -> tuple[jax.Array, tuple[AttentionCache, ...], jax.Array]:
+        """Inference over per-layer caches (`empty_cache`): (final-normed hidden [B, T, D], updated caches,
+        overflow flag as in `ModelOutput.aux`). `prefill`: `input_ids` [B, T] are the prompts
+        (right-padded rows: the padding is written to the cache but never attended to); otherwise
+        each row's new tokens at `positions`. After an overflow the caller runs the same call again
+        with the worst-case model on the returned caches: that overwrites every slot this call wrote
+        (the slots at `positions`), so the caches come out as if the overflow had not happened."""
         cfg = self.cfg
         routed_fn = parallel.routed_fn if parallel is not None else local_routed
         reduce = parallel.reduce if parallel is not None else None
         x = jnp.take(self.embed[...], input_ids, axis=0).astype(DTYPES[cfg.dtype])
         y: Stale = None
-        new_caches = []
+        new_caches, overflow = [], []
         for i, conn in enumerate(self.connectivity()):
             with jax.named_scope(f"layer_{i}"):
-                x, y, cache = self.layers[i].cached(x, y, positions, caches[i], conn, routed_fn, reduce,
-                                                    prefill)
+                x, y, cache, aux = self.layers[i].cached(x, y, positions, caches[i], conn, routed_fn, reduce,
+                                                         prefill)
             new_caches.append(cache)
-        return self.final_norm(x), tuple(new_caches)
+            if "moe_overflow" in aux:
+                overflow.append(aux["moe_overflow"])
+        return self.final_norm(x), tuple(new_caches), overflow_flag(jnp.stack(overflow) if overflow else 0)
 
     def head_weights(self) -> jax.Array:
         """The [D, V] output projection (the embedding's transpose when tied)."""

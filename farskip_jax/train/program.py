@@ -10,6 +10,7 @@ program `train.py` runs: same LossSpec, optimizer, ZeRO-1 layouts, teacher and p
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -101,13 +102,32 @@ class TrainProgram:
         """[B, T] batches of the eval and teacher top-k steps."""
         return NamedSharding(self.mesh, P(BATCH_AXES))
 
-    def eval_step(self, with_teacher: bool | None = None, cached_teacher: bool | None = None) -> Any:
-        """The jitted eval step; by default with the teacher exactly when the train step has one."""
+    @property
+    def worst_parallel(self) -> ExpertParallel | None:
+        """The parallel strategy of the worst-case programs (buffers that cannot overflow)."""
+        return None if self.parallel is None else self.parallel.worst_case()
+
+    @functools.cached_property
+    def worst_case_train_step(self) -> Any:
+        """The train step with worst-case routed-expert buffers: what a step whose bounded buffers
+        overflowed (metrics["moe_overflow"] > 0, state untouched) is run again with. Built (and
+        compiled, at its first call) only when a step first needs it."""
+        if self.parallel is None:
+            return self.train_step  # one device: the rows are exact, nothing can overflow
+        return make_train_step(self.spec, self.student_graph,
+                               self.teacher_graph if self.spec.needs_teacher_model else None, self.tx,
+                               self.schedule, self.worst_parallel, self.shardings)
+
+    def eval_step(self, with_teacher: bool | None = None, cached_teacher: bool | None = None,
+                  bounded: bool = True) -> Any:
+        """The jitted eval step; by default with the teacher exactly when the train step has one.
+        `bounded` False: the worst-case buffers (what an eval batch whose sums report
+        "moe_overflow" > 0 is run again with)."""
         spec = self.spec if cached_teacher is None else dataclasses.replace(self.spec,
                                                                             cached_teacher=cached_teacher)
         teacher = spec.needs_teacher_model if with_teacher is None else with_teacher
         return make_eval_step(spec, self.student_graph, self.teacher_graph if teacher else None,
-                              self.parallel, self.shardings.compute)
+                              self.parallel if bounded else self.worst_parallel, self.shardings.compute)
 
     def init_state(self, params: nnx.State) -> dict[str, Any]:
         """The train state around placed student params: optimizer state created in its (ZeRO-1)

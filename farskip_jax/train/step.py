@@ -12,6 +12,7 @@ the whole step so the update is the mean over every valid token, whatever micro-
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -36,7 +37,7 @@ AUX_KEYS = ("expert_balance_loss", "device_balance_loss")
 # The dropped-fraction entries are per micro-batch means of the models' aux "dropped_fraction"
 # (0.0 when dropless); the train step divides their sum by the number of micro-batches.
 _SUM_KEYS = ("kl_sum", "l2_sum", "ce_sum", "aux", "teacher_topk_mass_sum", "student_dropped_fraction",
-             "teacher_dropped_fraction")
+             "teacher_dropped_fraction", "moe_overflow")
 _MEAN_KEYS = ("student_dropped_fraction", "teacher_dropped_fraction")
 
 
@@ -92,6 +93,12 @@ def _dropped(out: Any) -> jax.Array:
     return jnp.asarray(out.aux.get("dropped_fraction", 0.0), jnp.float32)
 
 
+def _overflow(*outs: Any) -> jax.Array:
+    """1.0 when a bounded routed-expert buffer overflowed in any of the forwards (the values are void)."""
+    flags = [jnp.asarray(o.aux.get("moe_overflow", 0), jnp.float32) for o in outs if o is not None]
+    return functools.reduce(jnp.maximum, flags, jnp.zeros((), jnp.float32))
+
+
 class _Forwards(NamedTuple):
     student: Any
     student_head: jax.Array
@@ -142,6 +149,7 @@ def _micro(spec: LossSpec, s_graph: nnx.GraphDef, s_params: nnx.State, t_graph: 
         # The balance losses are batch means already: weight each micro-batch equally.
         loss = loss + aux * aux_scale
         m["aux"] = aux * aux_scale
+    m["moe_overflow"] = _overflow(s_out, t_out)
     return loss, m, _Forwards(s_out, s_head, t_out, t_head)
 
 
@@ -184,6 +192,9 @@ def make_train_step(spec: LossSpec, s_graph: nnx.GraphDef, t_graph: nnx.GraphDef
 
     state = {"params", "opt_state", "step", "skipped"}. A non-finite loss or gradient norm leaves
     params and optimizer state untouched (a lax.cond around the whole update) and increments "skipped".
+    An overflow of a bounded routed-expert buffer (metrics["moe_overflow"] > 0; `parallel.bounded`)
+    leaves the whole state untouched, counters included: the caller runs the same batch again with
+    the worst-case step (`parallel.worst_case()`), which then counts as the step.
     `loss_scale` is 1.0 except in fault-injection tests (NaN poisons the gradient).
 
     With `shardings`, the step reads the parameters in `shardings.compute` and constrains every
@@ -226,8 +237,10 @@ def make_train_step(spec: LossSpec, s_graph: nnx.GraphDef, t_graph: nnx.GraphDef
         # The scale is multiplied inside each consumer (a fused reduction here, the update below), so
         # no scaled copy of the gradients is materialised.
         scaled = lambda tree: jax.tree.map(lambda g: g * loss_scale, tree)
-        gnorm = optax.global_norm(scaled(grads))
-        ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+        gnorm = optax.tree.norm(scaled(grads))
+        overflow = msum["moe_overflow"] > 0
+        finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+        ok = finite & ~overflow
 
         # The update runs in the gradients' layout: each device updates its slice of every weight.
         def apply(p: nnx.State, opt_state: Any) -> tuple[nnx.State, Any]:
@@ -243,9 +256,11 @@ def make_train_step(spec: LossSpec, s_graph: nnx.GraphDef, t_graph: nnx.GraphDef
         # of every expert stack); under the cond only the taken branch runs, updating in place.
         new_params, new_opt = jax.lax.cond(ok, apply, keep, state["params"], state["opt_state"])
         applied = jnp.asarray(state["step"] - state["skipped"], jnp.int32)
+        counted = (~overflow).astype(jnp.int32)  # a void step is not a step: it is run again
         new_state = {"params": to_param(new_params), "opt_state": new_opt,
-                     "step": state["step"] + 1, "skipped": state["skipped"] + (~ok).astype(jnp.int32)}
-        metrics = {"loss": loss, "grad_norm": gnorm, "ok": ok, "num_tokens": normalizer,
+                     "step": state["step"] + counted,
+                     "skipped": state["skipped"] + (~finite & ~overflow).astype(jnp.int32)}
+        metrics = {"loss": loss, "grad_norm": gnorm, "ok": finite, "num_tokens": normalizer,
                    "lr": schedule(applied), **msum}
         return new_state, metrics
 
@@ -291,8 +306,9 @@ def make_eval_step(spec: LossSpec, s_graph: nnx.GraphDef, t_graph: nnx.GraphDef 
 
 def make_teacher_topk(t_graph: nnx.GraphDef, k: int, temperature: float, chunk: int,
                       parallel: Any = None, mesh: Mesh | None = None
-                      ) -> Callable[..., tuple[jax.Array, jax.Array]]:
-    """`topk(teacher_params, batch[B, T]) -> (log-probs [B, T, k] at temperature, ids [B, T, k])`.
+                      ) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
+    """`topk(teacher_params, batch[B, T]) -> (log-probs [B, T, k] at temperature, ids [B, T, k],
+    overflow)`; overflow > 0: a bounded routed-expert buffer overflowed and the values are void.
 
     With `mesh`, each chunk's top-k runs under a shard_map over the batch devices: XLA's SPMD
     partitioner does not split top_k along a sharded batch axis, it all-gathers the [B, chunk, V]
@@ -311,6 +327,7 @@ def make_teacher_topk(t_graph: nnx.GraphDef, k: int, temperature: float, chunk: 
     def run(t_params: nnx.State, batch: Batch):
         with jax.named_scope("teacher"):
             out, head = _forward(t_graph, t_params, batch, parallel)
-        return chunked_map(lambda h: one(h, head), (out.hidden,), chunk, out.hidden.ndim - 1)
+        vals, ids = chunked_map(lambda h: one(h, head), (out.hidden,), chunk, out.hidden.ndim - 1)
+        return vals, ids, _overflow(out)
 
     return jax.jit(run)

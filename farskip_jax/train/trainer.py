@@ -121,6 +121,7 @@ class Trainer:
         self.state = self.program.init_state(self.models.student_params)
         self.train_step = self.program.train_step
         self.eval_step = self.program.eval_step()
+        self._worst_eval_step = None  # built when an eval batch first overflows
         self.ckpt = CheckpointManager(self.out / "checkpoints", tc.keep_checkpoints)
         self.stopper = EarlyStopper(tc.patience, tc.drop_threshold)
         self.gen_eval = None
@@ -142,7 +143,9 @@ class Trainer:
         self.rng = jax.random.key_data(jax.random.key(tc.seed))
         self.step = 0
         self.loss_ema: float | None = None
-        self.counts = {"nonfinite_skipped": 0, "spikes": 0, "nonfinite_in_row": 0}
+        # moe_overflow_reruns: steps (and eval batches) whose bounded routed-expert buffers overflowed
+        # and were run again with the worst-case program (model.moe_buffer_factor)
+        self.counts = {"nonfinite_skipped": 0, "spikes": 0, "nonfinite_in_row": 0, "moe_overflow_reruns": 0}
 
     # ---- state <-> checkpoint -------------------------------------------------------------
 
@@ -214,6 +217,12 @@ class Trainer:
             host = self._with_cache(host, f"eval_{i:04d}")
             batch = batches.to_device(host, self.program.eval_batch_sharding)
             out = jax.device_get(self.eval_step(self.state["params"], self.models.teacher_params, batch))
+            if out.get("moe_overflow", 0) > 0:
+                self.counts["moe_overflow_reruns"] += 1
+                if self._worst_eval_step is None:
+                    self._worst_eval_step = self.program.eval_step(bounded=False)
+                out = jax.device_get(self._worst_eval_step(self.state["params"], self.models.teacher_params,
+                                                           batch))
             for k, v in out.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
         n = max(sums["num_tokens"], 1.0)
@@ -302,12 +311,24 @@ class Trainer:
                     self.pgle_target = None
                 self.state, m = self.train_step(self.state, self.models.teacher_params, batch, scale)
                 m = jax.device_get(m)
+                if m["moe_overflow"] > 0:
+                    # The bounded buffers overflowed somewhere: that step changed nothing; the same
+                    # batch runs again with the worst-case buffers, so the step stays exactly dropless.
+                    self.counts["moe_overflow_reruns"] += 1
+                    log.info("step %d: a routed-expert buffer overflowed (model.moe_buffer_factor=%g); "
+                             "re-running it with the worst-case buffers (%d re-runs so far)", self.step,
+                             self.cfg.model.moe_buffer_factor, self.counts["moe_overflow_reruns"])
+                    self.state, m = self.program.worst_case_train_step(self.state, self.models.teacher_params,
+                                                                       batch, scale)
+                    m = jax.device_get(m)
                 loss, ok = self._record(m)
                 self.step += 1
                 tokens_seen += float(m["num_tokens"])
                 vals = self._step_values(m, loss)
                 if self.step % tc.log_every == 0 or self.step == tc.total_steps:
-                    mlog.write("train", self.step, {**vals, "skipped": self.counts["nonfinite_skipped"]})
+                    mlog.write("train", self.step, {**vals, "skipped": self.counts["nonfinite_skipped"],
+                                                    "moe_overflow_reruns":
+                                                        self.counts["moe_overflow_reruns"]})
                 elapsed = time.perf_counter() - t0
                 bar.set_postfix(loss=f"{loss:.4g}", tok_s=f"{real_tokens / max(elapsed, 1e-9):.0f}",
                                 lr=f"{vals['lr']:.2e}", refresh=False)
@@ -395,8 +416,16 @@ def precompute_teacher(cfg: Config, out_dir: str) -> dict[str, float]:
                                 "steps": tc.total_steps, "grad_accum_steps": tc.grad_accum_steps,
                                 "config": cfg.name})
 
+    worst: list[Any] = []  # the worst-case top-k step, built when a batch first overflows
+
     def run(host: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        logp, ids = topk(models.teacher_params, batches.to_device(host, program.eval_batch_sharding))
+        batch = batches.to_device(host, program.eval_batch_sharding)
+        logp, ids, overflow = topk(models.teacher_params, batch)
+        if float(overflow) > 0:  # bounded buffers overflowed: the same batch with the worst case
+            if not worst:
+                worst.append(make_teacher_topk(models.teacher_graph, tc.teacher_topk, tc.kl_temperature,
+                                               tc.kl_chunk_tokens, program.worst_parallel, program.mesh))
+            logp, ids, _ = worst[0](models.teacher_params, batch)
         return batches.local_rows(logp), batches.local_rows(ids)
 
     for step in tqdm(range(tc.total_steps), desc="teacher top-k", disable=jax.process_index() != 0):
@@ -419,10 +448,18 @@ def measure_topk_gap(program: TrainProgram, models: setup.Models, cache_dir: str
     cache = TeacherCache(cache_dir, tc.teacher_topk, tc.kl_temperature)
     dev = lambda h: batches.to_device(h, program.eval_batch_sharding)
     kl_full = kl_topk = ntok = 0.0
+
+    def checked(step: Any, worst_kw: dict[str, bool], *args: Any) -> dict[str, Any]:
+        out = jax.device_get(step(*args))
+        if out.get("moe_overflow", 0) > 0:  # run again with the worst-case buffers
+            out = jax.device_get(program.eval_step(**worst_kw, bounded=False)(*args))
+        return out
+
     for i, host in enumerate(evals):
-        a = jax.device_get(full(models.student_params, models.teacher_params, dev(host)))
-        b = jax.device_get(cached(models.student_params, None,
-                                  dev({**host, **cache.load(f"eval_{i:04d}", host["input_ids"])})))
+        a = checked(full, {"with_teacher": True, "cached_teacher": False}, models.student_params,
+                    models.teacher_params, dev(host))
+        b = checked(cached, {"with_teacher": False, "cached_teacher": True}, models.student_params, None,
+                    dev({**host, **cache.load(f"eval_{i:04d}", host["input_ids"])}))
         kl_full += float(a["kl_sum"])
         kl_topk += float(b["kl_sum"])
         ntok += float(a["num_tokens"])

@@ -325,7 +325,17 @@ print("RESULT " + json.dumps(out))
 @pytest.mark.rocm
 @pytest.mark.skipif(not HAS_ROCM, reason="jax-rocm7-pjrt not installed")
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler for the stand-ins")
-def test_mi300x_profile_accepted_and_hides_more(tmp_path: Path) -> None:
+def test_mi300x_profile_accepted(tmp_path: Path) -> None:
+    """The synthetic profile steers XLA's MI300X schedule (the order changes, every cost matched,
+    a wrong or foreign profile refused), and under it FarSkip hides more all-to-all time than
+    regular connectivity.
+
+    What it no longer asserts: that the profile hides more than XLA's own estimator on this toy.
+    On jaxlib 0.10.2 it did (0.675 -> 0.727: T-shirt costs thought ~5 GEMMs cover an all-to-all);
+    jaxlib 0.12 gives gfx942 the speed-of-light estimator, and on this 2-layer toy it hides a little
+    more than the profile (0.673 vs 0.627, measured here). The choice of the inspector's MI300X cost
+    source is made on the full-size DSV2-Lite programs, where the profile hides more and estimates
+    shorter steps (train, prefill, decode; BENCHMARKS.md, "MI300X cost source")."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     env.pop("XLA_FLAGS", None)
     res = subprocess.run([sys.executable, "-c", _ROCM_SCRIPT, str(tmp_path)], cwd=ROOT, env=env,
@@ -341,11 +351,9 @@ def test_mi300x_profile_accepted_and_hides_more(tmp_path: Path) -> None:
               f"{s['pgle']['step_us']:.1f} us, {s['num_costs']} costs")
         assert not s["same_order"]
         assert s["base"]["a2a_count"] == s["pgle"]["a2a_count"] == A2A_COUNT[mode]
-    far = out["farskip"]
-    # T-shirt costs think ~5 GEMMs cover an all-to-all; real costs fill more of each window
-    # (measured 0.675 -> 0.727 with jaxlib 0.10.2)
-    assert far["pgle"]["a2a_hidden"] > far["base"]["a2a_hidden"] + 0.03
-    assert far["pgle"]["step_us"] < far["base"]["step_us"]
+    far, reg = out["farskip"], out["regular"]
+    assert far["pgle"]["a2a_hidden"] > reg["pgle"]["a2a_hidden"] + 0.2
+    assert far["pgle"]["step_us"] < reg["pgle"]["step_us"]
     assert "missing instructions" in out["negative"]["drop"], out["negative"]
     assert "missing instructions" in out["negative"]["other_module"]
 
@@ -429,12 +437,18 @@ def test_balanced_fill_of_the_dsv2lite_buffers() -> None:
     from farskip_jax.config import load_config
     from farskip_jax.inspect.steps import balanced_grouped_fill
 
-    m = load_config("dsv2lite").model  # K=6 of 64 experts
-    # EP=8, dropless: 16384 tokens send 6 rows each; the receive buffer holds 8 x 16384 x min(6, 8)
-    assert balanced_grouped_fill(m, {"expert": 8}, True, 16384, 4096) == pytest.approx(1 / 8)
-    # a capacity of 1.25: 8 local experts x 1.25 x 4 sequences x 4096 x 6 / 64 rows per source
+    m = load_config("dsv2lite").model  # K=6 of 64 experts, moe_buffer_factor 2
+    worst = dataclasses.replace(m, moe_buffer_factor=0.0)
+    # EP=8, dropless: 16384 tokens send 6 rows each; balanced, a rank receives 8 x 16384 x 6 / 8 rows,
+    # into the bounded buffer of twice that, or the worst case's 8 x 16384 x min(6, 8)
+    assert m.moe_buffer_factor == 2.0
+    assert balanced_grouped_fill(m, {"expert": 8}, True, 16384, 4096) == pytest.approx(1 / 2)
+    assert balanced_grouped_fill(worst, {"expert": 8}, True, 16384, 4096) == pytest.approx(1 / 8)
+    # a capacity of 1.25: 8 local experts x 1.25 x 4 sequences x 4096 x 6 / 64 rows per source (the
+    # worst case, below the bound)
     cap = dataclasses.replace(m, capacity_factor=1.25)
     assert balanced_grouped_fill(cap, {"expert": 8}, True, 16384, 4096) == pytest.approx(0.8)
-    # TP=8: every rank sorts all assignments and computes its eighth
-    assert balanced_grouped_fill(m, {"tensor": 8}, False, 4096, 4096) == pytest.approx(1 / 8)
+    # TP=8: every rank sorts all assignments and computes its eighth, in a bounded buffer of twice that
+    assert balanced_grouped_fill(m, {"tensor": 8}, False, 4096, 4096) == pytest.approx(1 / 2)
+    assert balanced_grouped_fill(worst, {"tensor": 8}, False, 4096, 4096) == pytest.approx(1 / 8)
     assert balanced_grouped_fill(m, {"expert": 1}, True, 4096, 4096) == 1.0

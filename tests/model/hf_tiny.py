@@ -219,7 +219,7 @@ def cached_logits(model: Any, ids: np.ndarray, prefix: int) -> np.ndarray:
 
     @nnx.jit(static_argnames="prefill")
     def run(model, ids, pos, caches, prefill):
-        hidden, caches = model.cached_forward(ids, pos, caches, prefill=prefill)
+        hidden, caches, _ = model.cached_forward(ids, pos, caches, prefill=prefill)
         return model.logits(hidden), caches
 
     caches = tuple(empty_cache(model.cfg, 1, t, jnp.float32) for _ in range(model.cfg.num_layers))

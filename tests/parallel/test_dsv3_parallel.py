@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from par_common import ids_and_weights, max_abs_err, record, run_fast
+from par_common import ids_and_weights, max_abs_err, record, run_fast, with_tiny_buffers
 
 from farskip_jax.config import MeshConfig, ModelConfig
 from farskip_jax.model.transformer import build_model, with_farskip
@@ -32,7 +32,7 @@ DSV3_TINY = {
 
 
 def test_ep4_equals_single_device():
-    cfg = with_farskip(ModelConfig.from_hf_dict(DSV3_TINY), enabled=True)
+    cfg = with_tiny_buffers(with_farskip(ModelConfig.from_hf_dict(DSV3_TINY), enabled=True))
     assert cfg.router_bias and cfg.attn_output_gate
     model = build_model(cfg, seed=3)
     for i in (1, 2):  # a bias that changes the choice (build_model starts it at zero)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from par_common import ids_and_weights, max_abs_err, record, run_fast
+from par_common import ids_and_weights, max_abs_err, record, run_fast, with_tiny_buffers
 
 from farskip_jax.config import MeshConfig, ModelConfig
 from farskip_jax.model.transformer import build_model, with_farskip
@@ -37,7 +37,7 @@ LLAMA4_TINY = {
 
 
 def _cfg(farskip: bool) -> ModelConfig:
-    return with_farskip(ModelConfig.from_hf_dict(LLAMA4_TINY), enabled=farskip)
+    return with_tiny_buffers(with_farskip(ModelConfig.from_hf_dict(LLAMA4_TINY), enabled=farskip))
 
 
 def _loss_fn(forward):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from par_common import ids_and_weights, max_abs_err, record, run_fast
+from par_common import ids_and_weights, max_abs_err, record, run_fast, with_tiny_buffers
 
 from farskip_jax.config import ConfigError, MeshConfig, ModelConfig
 from farskip_jax.model.transformer import build_model, with_farskip
@@ -35,7 +35,7 @@ QWEN3_TINY = {
 
 
 def _cfg(farskip: bool) -> ModelConfig:
-    return with_farskip(ModelConfig.from_hf_dict(QWEN3_TINY), enabled=farskip)
+    return with_tiny_buffers(with_farskip(ModelConfig.from_hf_dict(QWEN3_TINY), enabled=farskip))
 
 
 def _loss_fn(forward):
