@@ -108,6 +108,21 @@ def tokamax_op(ins: Instr) -> str:
     return m.group(1) if m else ""
 
 
+# Pallas kernel custom calls: Mosaic GPU (H200) and Triton (MI300X, and CUDA's Triton path).
+_PALLAS_TARGETS = ("mosaic_gpu_v2", "mosaic_gpu", "__gpu$xla.gpu.triton", "triton_kernel_call")
+
+
+def _kernel_from_op_name(op_name: str) -> str | None:
+    """A Pallas kernel's kind from its jax name path: tokamax's ragged_dot kernels (forward, input
+    gradient, the ragged-contracting weight gradient) or the fused attention of
+    ``attention_kernels.py`` (under ``attention/core``) and tokamax's flash attention."""
+    if re.search(r"ragged_(?:contracting_dim_)?dot", op_name):
+        return "grouped_gemm"
+    if "attention/core" in op_name or "flash_attention" in op_name:
+        return "attention_kernel"
+    return None
+
+
 def kernel_kind(ins: Instr) -> str | None:
     """What matrix work a custom call does: 'grouped_gemm' (hipBLASLt/cuBLASLt grouped matmul,
     tokamax's ragged_dot kernels), 'attention_kernel' (tokamax's flash attention and its VJP),
@@ -121,6 +136,12 @@ def kernel_kind(ins: Instr) -> str | None:
         return "grouped_gemm"
     if ".attention." in op:
         return "attention_kernel"
+    if target_s in _PALLAS_TARGETS:
+        # In a real program the payload is often gone (custom_partitioning and our own VJP of the
+        # ragged dot drop it); the kernel's jax name path still says what it is.
+        kernel = _kernel_from_op_name(ins.op_name)
+        if kernel is not None:
+            return kernel
     if any(w in target_s.lower() for w in ("gemm", "matmul")) or '"gemm_backend_config"' in ins.attrs:
         return "gemm"
     return None
@@ -161,15 +182,24 @@ def _attention_flops(comp: Computation, ins: Instr) -> float:
     T x S pairs when S == T. The VJP recomputes q.k and, per output: dq alone = q.k, dO.v, dS.k
     (2 q.k + 1 v); dk and dv = q.k, dO.v, p.dO, dS.q (2 q.k + 2 v); all three: 3 q.k + 2 v."""
     ops = _float_operands(comp, ins)
-    if len(ops) < 3 or any(len(a) != 4 for a in ops[:3]):
+    # per-device kernels of a custom-partitioned call see one sequence: [T, H, D], no batch dim
+    rank = len(ops[0]) if ops else 0
+    if len(ops) < 3 or rank not in (3, 4) or any(len(a) != rank for a in ops[:3]):
         return 0.0
-    (b, t, h, d), (_, s, _, _), (_, _, _, dv) = ops[:3]
-    causal = re.search(r'causal_mask\\?":\{', ins.attrs) is not None
+    q, k, v = ([1, *a] if rank == 3 else a for a in ops[:3])
+    (b, t, h, d), (_, s, _, _), (_, _, _, dv) = q, k, v
+    op = tokamax_op(ins)
+    # Without tokamax's payload (a custom-partitioned kernel) the kernel is ours
+    # (``attention_kernels.py``): always causal; a VJP kernel reads more than q, k, v (the output's
+    # cotangent and the forward's residuals), a forward one (also one rematerialised in the backward
+    # program) reads q, k, v and integer masks only.
+    causal = re.search(r'causal_mask\\?":\{', ins.attrs) is not None if op else True
+    vjp = op.endswith("Vjp") if op else len(ops) > 3
     pairs = b * h * ((t * (s - t) + t * (t + 1) / 2) if causal and s >= t else t * s)
     qk, pv = 2.0 * pairs * d, 2.0 * pairs * dv
-    if not tokamax_op(ins).endswith("Vjp"):
+    if not vjp:
         return qk + pv
-    n_out = len([a for a in shape_arrays(ins.shape) if len(a[1]) == 4])
+    n_out = len([a for a in shape_arrays(ins.shape) if len(a[1]) == rank])
     return {1: 2 * qk + pv, 2: 2 * qk + 2 * pv}.get(n_out, 3 * qk + 2 * pv)
 
 

@@ -328,3 +328,23 @@ def test_accounting_and_four_way_tables() -> None:
     assert rows["farskip_bs2"]["est_mfu"] == pytest.approx(1e12 / (64e-6 * 1e15))
     md = report.four_way_markdown(four)
     assert "| FarSkip + batch split 2 | farskip_bs2 | 0.06 | 1.562x | 1.250x |" in md
+
+
+def test_partitioned_kernels_without_tokamax_payload_are_priced() -> None:
+    """kernels_partitioned.hlo: the kernels as a real DSV2-Lite FCSD program carries them (jaxlib
+    0.12, tokamax 0.0.17): custom_partitioning and our ragged_dot VJP drop tokamax's metadata
+    payload, and each per-device attention kernel sees one sequence ([T, H, D]). Kinds come from
+    the jax name path; a forward kernel (also one rematerialised in the backward program) reads q,
+    k, v only, its VJP also the output cotangent and the residuals."""
+    text = (DATA / "kernels_partitioned.hlo").read_text()
+    mod = hlo.parse_hlo(text)
+    main = mod.computations[mod.entry]
+    flops = {i.name: hlo.dot_flops_by_kind(mod, main, i) for i in main.instrs}
+    pairs = 16 * 1024 * 1025 / 2  # causal, heads x T (T + 1) / 2
+    qk, pv = 2 * pairs * 192, 2 * pairs * 128
+    assert flops["fwd"] == flops["remat"] == {"attention_kernel": pytest.approx(qk + pv)}
+    assert flops["dkv"] == {"attention_kernel": pytest.approx(2 * qk + 2 * pv)}
+    assert flops["up"] == {"grouped_gemm": 2 * 12288 * 2048 * 1408}
+    assert flops["dw"] == {"grouped_gemm": 2 * 12288 * 2048 * 1408}
+    dots = hlo.analyze(text, "h200").totals["dot_flops"]["by_kind"]
+    assert dots["attention_kernel"] == pytest.approx(4 * qk + 4 * pv)
