@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -62,6 +63,29 @@ from jax.sharding import PartitionSpec as P
 Kernel = Literal["mosaic_gpu", "pallas_triton", "xla"]
 KERNELS: tuple[str, ...] = ("mosaic_gpu", "pallas_triton", "xla")
 FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+class _FirstAutotuneMiss(logging.Filter):
+    """tokamax logs "Autotuning cache miss" (absl, WARNING) for every kernel call it traces without
+    a tuned config: thousands of identical lines in one full-size compile. Keep the first of each
+    kernel class, drop the repeats."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if not msg.startswith("Autotuning cache miss"):
+            return True
+        key = msg.split("(", 1)[0]  # "Autotuning cache miss for <kernel class>"
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+
+logging.getLogger("absl").addFilter(_FirstAutotuneMiss())
 
 # Device kinds that are gfx942 but whose compile-only (deviceless) devices do not say so: the
 # MI300X target spec's devices report kind "MI300X" and no compute capability. A real MI300X reports
