@@ -56,8 +56,8 @@ QWEN3_30B_A3B_HF = {
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
     "vocab_size": 151936}
 # ModelConfig fields config.json does not carry (training-side knobs).
-NOT_IN_HF = {"capacity_factor", "param_dtype", "dtype", "remat", "device_aux_loss_alpha", "aux_device_groups",
-             "batch_split"}
+NOT_IN_HF = {"capacity_factor", "moe_buffer_factor", "param_dtype", "dtype", "remat", "device_aux_loss_alpha",
+             "aux_device_groups", "batch_split"}
 
 
 def test_qwen3_yaml_is_the_published_model():

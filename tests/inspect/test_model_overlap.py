@@ -83,8 +83,11 @@ def test_farskip_hides_more_all_to_all_time_than_regular(train_reports):
     backward one is fully hidden in FarSkip; a forward Dispatch is covered only by its layer's router
     and shared expert, because XLA's GPU scheduler keeps one collective in flight
     (xla_gpu_experimental_parallel_collective_overlap_limit=1) and gives the next layer's attention,
-    the one long op, to the Combine before it. With 2 MoE layers that puts the total at 86% (H200,
-    jaxlib 0.10.2); regular connectivity hides 55%."""
+    the one long op, to the Combine before it. With 2 MoE layers that put the total at 86% (H200,
+    jaxlib 0.10.2; regular 55%). jaxlib 0.12 with the fused attention kernel, the grouped GEMM over
+    the real rows and the row counts all-gathered (no longer an all-to-all): FarSkip 94%, regular
+    71%; the bars are re-derived from those, as exposed time: FarSkip leaves at most a quarter of
+    the all-to-all time regular connectivity leaves exposed (measured: a fifth)."""
     far_rep = train_reports["farskip"]
     far = far_rep["totals"]["by_kind"]["all-to-all"]["hidden_frac"]
     reg = train_reports["regular"]["totals"]["by_kind"]["all-to-all"]["hidden_frac"]
@@ -95,8 +98,8 @@ def test_farskip_hides_more_all_to_all_time_than_regular(train_reports):
     for c in a2a:
         if c["role"] == "combine" and c is not last_bwd_combine:
             assert c["hidden_frac"] > 0.99, (c["name"], c["direction"], c["hidden_frac"])
-    assert far > 0.85
-    assert far > reg + 0.25
+    assert far > 0.9
+    assert 1 - far < 0.25 * (1 - reg)
 
 
 def test_prefill_psums_hide_up_to_their_dependency_bound(prefill_reports):
@@ -107,7 +110,11 @@ def test_prefill_psums_hide_up_to_their_dependency_bound(prefill_reports):
     2 heads per rank, attention is shorter than a 16 MiB psum, so 90% is not reachable at 4096
     tokens whatever the placement (BENCHMARKS.md); the check is that the placement reaches the bound
     and that FarSkip hides far more than regular connectivity, which hides almost nothing.
-    """
+
+    The total is bounded by the attention time: with the blockwise XLA attention layer 2's attention
+    (216 us) covers layer 1's 70 us routed psum and the total is 60.0%; tokamax's fused kernel (the
+    production path on H200) runs that attention in 51 us, the psum is 72% hidden and the total
+    54.5% (measured on jaxlib 0.12; 0.10.2's bar was 60%). Faster compute, the same placement."""
     far, reg = prefill_reports["farskip"], prefill_reports["regular"]
     f_tot = far["totals"]["by_kind"]["all-reduce"]["hidden_frac"]
     r_tot = reg["totals"]["by_kind"]["all-reduce"]["hidden_frac"]
@@ -119,8 +126,10 @@ def test_prefill_psums_hide_up_to_their_dependency_bound(prefill_reports):
             assert c["is_async"] and c["compute_between_us"] > 0, c["name"]
     attn_shared = [c for c in psums if c["role"] == "tp_psum_attn_shared"]
     assert all(c["hidden_frac"] > 0.99 for c in attn_shared), "router + experts cover the A+S psum"
-    assert f_tot > 0.6
+    assert f_tot > 0.53
     assert f_tot > r_tot + 0.5
+    routed = [c for c in psums if c["role"] == "tp_psum_routed" and c is not last]
+    assert routed and all(c["hidden_frac"] > 0.5 for c in routed), "the next attention covers most of it"
 
 
 def test_decode_step_has_farskips_psums_and_hides_more(decode_reports):

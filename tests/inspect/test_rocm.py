@@ -98,7 +98,13 @@ def test_mi300x_model_train_step_farskip_beats_regular(tmp_path: Path) -> None:
     a2a_far = exchanges(far)
     # 2 MoE layers x (Dispatch, Combine) x (forward, backward) row exchanges, all async
     assert len([c for c in a2a_far if c["bytes"] > 2**20]) == 8
-    assert all(c["is_async"] for c in a2a_far)
+    # Async, all but the last MoE layer's forward Combine: under FarSkip its result feeds the final
+    # norm and the LM head at once, there is no compute it may run under, and jaxlib 0.12's
+    # async-to-sync converter makes such a collective synchronous (it was async with nothing under it
+    # on 0.10.2). The physical limit, as the first Dispatch's is in the H200 tests.
+    last_fwd_combine = max((c for c in a2a_far if c["direction"] == "fwd" and c["role"] == "combine"),
+                           key=lambda c: c["start_index"])
+    assert all(c["is_async"] for c in a2a_far if c is not last_fwd_combine)
     f, r = hidden(far), hidden(reg)
     print(f"OVERLAP mi300x train dispatch/combine hidden: farskip {f:.3f} regular {r:.3f}")
     assert f > r + 0.05
