@@ -26,9 +26,9 @@ demo: $(STAMP)
 	JAX_PLATFORMS=cpu $(BIN)/python train.py --config tiny_demo
 
 # Two pytest workers (the CI machine's 2 cores; XLA compiles on one thread), each test file on one
-# worker so that module fixtures are built once.
+# worker so that module fixtures are built once; --durations: the CI log shows where the time goes.
 test: $(STAMP)
-	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -n 2 --dist loadfile
+	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -6,6 +6,8 @@ tokens), each with `--compare-regular`, for H200 (XLA's own estimator) and MI300
 PGLE profile, the inspector's default there; each MI300X report also carries the replay of the
 same program scheduled by XLA's own estimator, `meta.pgle.without_profile_totals`).
 
+Each row keeps its scheduled HLO (gzip), so that a changed cost model can re-read it.
+
 Resumable: a row whose `compare.json` exists is skipped. Rows run one at a time (a full-size FCSD
 compile takes minutes and most of the machine's memory bandwidth on 2 cores).
 
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{row}: done already ({out})", flush=True)
             continue
         cmd = [sys.executable, "-m", "farskip_jax", "inspect", "--config", args.config, *ROWS[row],
-               "--compare-regular", "--no-save-hlo", "--out", str(out), *args.extra]
+               "--compare-regular", "--out", str(out), *args.extra]
         for item in args.set:
             cmd += ["--set", item]
         t0 = time.perf_counter()

@@ -15,7 +15,10 @@ from farskip_jax.train import setup
 from farskip_jax.train.program import abstract_train_step, build_program
 from farskip_jax.train.zero1 import batch_devices
 
-pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices")
+# `slow` (CI time budget): two 3-step trainings on 8 host devices and their compiles, ~3 minutes of
+# the default suite; the sharded update is also what every EP trainer test runs. `pytest -m slow`.
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices")]
 STEPS, A, T = 3, 2, 16
 OVERRIDES = {"mesh.data": 2, "mesh.expert": 4, "train.grad_accum_steps": A, "train.warmup_steps": 0,
              "train.learning_rate": 1e-3, "train.kl_chunk_tokens": 8}
