@@ -32,6 +32,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from farskip_jax import hf_config  # noqa: E402
 from farskip_jax.checkpoint.convert import group_specs  # noqa: E402
 from farskip_jax.checkpoint.hf_io import np_dtype  # noqa: E402
 from farskip_jax.checkpoint.hf_keys import param_specs  # noqa: E402
@@ -57,7 +58,7 @@ def dsv2_lite_config(layers: int) -> dict:
 
 def write_synthetic(d: Path, layers: int) -> tuple[ModelConfig, int]:
     hf = dsv2_lite_config(layers)
-    cfg = ModelConfig.from_hf_dict(hf)
+    cfg = hf_config.model_config(hf)
     specs = param_specs(cfg)
     entries = [(k, s.hf_shape) for s in specs for k in s.hf_keys]
     shards = plan_shards(entries, 2, 1_000_000_000)
@@ -138,7 +139,7 @@ def main() -> int:
         # high-water mark, so the parent must never hold the big arrays itself.
         subprocess.run([sys.executable, __file__, "--generate", str(src), "--layers", str(a.layers)],
                        check=True)
-        cfg = ModelConfig.from_hf_dict(json.loads((src / "config.json").read_text()))
+        cfg = hf_config.model_config(json.loads((src / "config.json").read_text()))
         total = json.loads((src / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
         n_files = len(list(src.glob("*.safetensors")))
         print(f"synthetic HF checkpoint: {total / 1e9:.2f} GB, {n_files} shards, "

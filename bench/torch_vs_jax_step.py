@@ -66,7 +66,10 @@ import yaml  # noqa: E402
 from flax import nnx  # noqa: E402
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM  # noqa: E402
 
-from farskip_jax import from_pretrained  # noqa: E402
+from farskip_jax import (
+    from_pretrained,  # noqa: E402
+    hf_config,
+)
 from farskip_jax.config import ModelConfig, TrainConfig, load_config  # noqa: E402
 from farskip_jax.train.optim import lr_schedule, make_optimizer  # noqa: E402
 from farskip_jax.train.step import LossSpec, make_train_step  # noqa: E402
@@ -105,7 +108,7 @@ def build_torch_model(cfg: ModelConfig, seed: int) -> DeepseekV2ForCausalLM:
     """HF's model from our config's HF dict; every matrix N(0, 0.02^2) (router included), norms 1."""
     # No special tokens: DSV2's ids (100000, 100001) lie outside the reduced vocabulary, and
     # training on raw ids needs none.
-    hf_cfg = DeepseekV2Config(**{**cfg.to_hf_dict(), "bos_token_id": None, "eos_token_id": None})
+    hf_cfg = DeepseekV2Config(**{**hf_config.hf_dict(cfg), "bos_token_id": None, "eos_token_id": None})
     torch.manual_seed(seed)
     model = DeepseekV2ForCausalLM(hf_cfg)
     g = torch.Generator().manual_seed(seed)

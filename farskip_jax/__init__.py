@@ -1,7 +1,8 @@
 """farskip-jax: FarSkip-Collective MoE (DeepSeek-V2 family) in JAX / Flax NNX."""
 
 from farskip_jax import platforms as _platforms  # noqa: F401 - first: picks JAX platforms
-from farskip_jax.config import Config, ConfigError, FarSkipConfig, ModelConfig, load_config, load_hf_config
+from farskip_jax.config import Config, ConfigError, FarSkipConfig, ModelConfig, load_config
+from farskip_jax.hf_config import load_hf_config
 from farskip_jax.model import Transformer, build_model, with_farskip
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import types
 import typing
@@ -417,31 +416,6 @@ class ModelConfig:
             raise ConfigError(f"model.group_score=top2_sum needs >= 2 experts per group, got "
                               f"n_routed_experts={self.n_routed_experts} / n_group={self.n_group}")
 
-    # ---- HF config.json <-> ModelConfig (farskip_jax/hf_config.py) ------------------------
-
-    @classmethod
-    def from_hf_dict(cls, hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
-        """Builds a config from an HF DeepseekV2 (both rope generations), DeepseekV3 / Instella-MoE
-        (`model_type: deepseek_v3`), Qwen3-MoE (`model_type: qwen3_moe`) or Llama-4 (`model_type:
-        llama4_text`, or `llama4` through its `text_config`) config.json.
-
-        FarSkip keys (`farskip`, `farskip_start_idx`, `farskip_end_idx`, `attn_only_farskip`,
-        `mlp_only_farskip`) are read as Instella-MoE writes them.
-        """
-        from farskip_jax import hf_config
-
-        merged = apply_overrides(_to_dict(cls(**hf_config.model_fields(hf))), overrides, prefix="model")
-        return from_dict(cls, merged, "model")
-
-    def to_hf_dict(self) -> dict[str, Any]:
-        """An HF config.json: Llama-4 (Llama4ForCausalLM) for attention_kind gqa with any Llama-4 field,
-        else Qwen3-MoE for gqa, DeepseekV3 (Instella-MoE when the
-        attention is gated) when a field says DeepSeek-V3's router or RoPE layout, else DeepseekV2
-        (`hf_config.hf_family`). Raises ConfigError for a config that family's HF class cannot express."""
-        from farskip_jax import hf_config
-
-        return hf_config.hf_dict(self)
-
 
 # --------------------------------------------------------------------------------------------
 # Parallelism, training, data, evaluation: the trainer's sections
@@ -771,14 +745,3 @@ def load_config(name_or_path: str, overrides: Mapping[str, Any] | None = None) -
     cfg = from_dict(Config, merged)
     cfg.validate()
     return cfg
-
-
-def load_hf_config(path: str | os.PathLike) -> ModelConfig:
-    """Reads `config.json` from an HF checkpoint directory (or the file itself)."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
-    if not p.exists():
-        raise ConfigError(f"{p}: no config.json")
-    with open(p) as f:
-        return ModelConfig.from_hf_dict(json.load(f))

@@ -1,6 +1,7 @@
 """HF config.json <-> ModelConfig fields, one reader and one writer per HF family.
 
-`ModelConfig.from_hf_dict` / `to_hf_dict` (farskip_jax/config.py) are the entry points; the family
+`model_config` / `load_hf_config` (reading) and `hf_dict` (writing) are the entry points; this module
+imports `farskip_jax.config`, never the reverse. The family
 is config.json's `model_type` when reading (`llama4_text` / `llama4`, `qwen3_moe`, `deepseek_v3`,
 else DeepSeek-V2) and the architecture fields when writing (`hf_family`). Instella-MoE is a
 DeepSeek-V3 (`model_type` deepseek_v3, architecture `InstellaMoEForCausalLM`) with gated attention
@@ -10,13 +11,45 @@ FarSkip settings use Instella-MoE's keys in every family.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
-from farskip_jax.config import ConfigError, FarSkipConfig, RopeScaling
+from farskip_jax.config import (
+    ConfigError,
+    FarSkipConfig,
+    ModelConfig,
+    RopeScaling,
+    apply_overrides,
+    from_dict,
+    to_dict,
+)
 
-if TYPE_CHECKING:
-    from farskip_jax.config import ModelConfig
+
+def model_config(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
+    """The validated ModelConfig of an HF DeepseekV2 (both rope generations), DeepseekV3 /
+    Instella-MoE (`model_type: deepseek_v3`), Qwen3-MoE (`model_type: qwen3_moe`) or Llama-4
+    (`model_type: llama4_text`, or `llama4` through its `text_config`) config.json, with dotted
+    `overrides` of its fields applied.
+
+    FarSkip keys (`farskip`, `farskip_start_idx`, `farskip_end_idx`, `attn_only_farskip`,
+    `mlp_only_farskip`) are read as Instella-MoE writes them.
+    """
+    merged = apply_overrides(to_dict(ModelConfig(**model_fields(hf))), overrides, prefix="model")
+    return from_dict(ModelConfig, merged, "model")
+
+
+def load_hf_config(path: str | os.PathLike) -> ModelConfig:
+    """Reads `config.json` from an HF checkpoint directory (or the file itself)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.exists():
+        raise ConfigError(f"{p}: no config.json")
+    with open(p) as f:
+        return model_config(json.load(f))
 
 
 def model_fields(hf: Mapping[str, Any]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from farskip_jax import hf_config
 from farskip_jax.config import (
     CONFIG_DIR,
     Config,
@@ -32,7 +33,7 @@ def test_every_yaml_loads_and_validates(name):
     assert isinstance(cfg, Config) and cfg.name == name
     cfg.validate()
     # Every model config round-trips through HF's config.json form.
-    again = ModelConfig.from_hf_dict(cfg.model.to_hf_dict())
+    again = hf_config.model_config(hf_config.hf_dict(cfg.model))
     assert again.num_layers == cfg.model.num_layers and again.routing == cfg.model.routing
 
 
@@ -63,7 +64,7 @@ NOT_IN_HF = {"capacity_factor", "moe_buffer_factor", "param_dtype", "dtype", "re
 def test_qwen3_yaml_is_the_published_model():
     """configs/qwen3_30b_a3b.yaml describes the model of the published config.json, and its
     FarSkip variant differs only in connectivity (every layer)."""
-    ours, published = load_config("qwen3_30b_a3b").model, ModelConfig.from_hf_dict(QWEN3_30B_A3B_HF)
+    ours, published = load_config("qwen3_30b_a3b").model, hf_config.model_config(QWEN3_30B_A3B_HF)
     for f in dataclasses.fields(ModelConfig):
         if f.name not in NOT_IN_HF:
             assert getattr(ours, f.name) == getattr(published, f.name), f.name
@@ -81,14 +82,14 @@ def test_qwen3_hf_rules_and_round_trip():
     hf = dict(QWEN3_30B_A3B_HF, num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3])
     del hf["head_dim"], hf["num_experts"]
     hf["num_local_experts"] = 16
-    cfg = ModelConfig.from_hf_dict(hf)
+    cfg = hf_config.model_config(hf)
     assert [i for i in range(6) if cfg.is_moe_layer(i)] == [1, 5]
     assert cfg.attn_head_dim == 2048 // 32 and cfg.n_routed_experts == 16 and cfg.router_norm_min_k == 1
-    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+    assert hf_config.model_config(hf_config.hf_dict(cfg)) == cfg
     with pytest.raises(ConfigError, match="Qwen3-MoE.*n_shared_experts"):
-        dataclasses.replace(cfg, n_shared_experts=1).to_hf_dict()
+        hf_config.hf_dict(dataclasses.replace(cfg, n_shared_experts=1))
     with pytest.raises(ConfigError, match="sliding"):
-        ModelConfig.from_hf_dict(dict(hf, use_sliding_window=True))
+        hf_config.model_config(dict(hf, use_sliding_window=True))
     with pytest.raises(ConfigError, match="num_kv_heads"):
         load_config("qwen3_30b_a3b", {"model.num_kv_heads": 5})
     with pytest.raises(ConfigError, match="attention_kind=gqa only"):
@@ -119,33 +120,33 @@ def test_deepseek_v3_yaml_is_the_published_model():
     """configs/deepseek_v3.yaml describes the published model (its FP8 weights dequantized), its
     FarSkip variant differs only in connectivity, and config.json round-trips through ours."""
     with pytest.raises(ConfigError, match="fp8"):
-        ModelConfig.from_hf_dict(DEEPSEEK_V3_HF)
+        hf_config.model_config(DEEPSEEK_V3_HF)
     dequantized = {k: v for k, v in DEEPSEEK_V3_HF.items() if k != "quantization_config"}
-    published = ModelConfig.from_hf_dict(dequantized)
+    published = hf_config.model_config(dequantized)
     ours = load_config("deepseek_v3").model
     for f in dataclasses.fields(ModelConfig):
         if f.name not in NOT_IN_HF:
             assert getattr(ours, f.name) == getattr(published, f.name), f.name
     assert [i for i in range(61) if not ours.is_moe_layer(i)] == [0, 1, 2]
-    assert ModelConfig.from_hf_dict(ours.to_hf_dict()) == dataclasses.replace(
+    assert hf_config.model_config(hf_config.hf_dict(ours)) == dataclasses.replace(
         ours, **{k: getattr(ModelConfig(), k) for k in NOT_IN_HF})
     fs = load_config("deepseek_v3_farskip").model
     assert dataclasses.replace(fs, farskip=ours.farskip) == ours
     assert list(fs.farskip.layer_range(fs.num_layers)) == list(range(61))
     with pytest.raises(ConfigError, match="DeepseekV3.*moe_layer_freq"):
-        dataclasses.replace(ours, moe_layer_freq=2).to_hf_dict()
+        hf_config.hf_dict(dataclasses.replace(ours, moe_layer_freq=2))
 
 
 def test_instella_yaml_writes_the_released_architecture():
     """configs/instella_moe.yaml is a FarSkip Instella-MoE: its config.json form is the released
     architecture (gated attention, FarSkip keys on every layer, one expert group) and reads back."""
     ours = load_config("instella_moe").model
-    hf = ours.to_hf_dict()
+    hf = hf_config.hf_dict(ours)
     assert hf["architectures"] == ["InstellaMoEForCausalLM"] and hf["model_type"] == "deepseek_v3"
     assert hf["gated_attention"] and hf["farskip"] and hf["n_group"] == 1
     assert (hf["num_hidden_layers"], hf["hidden_size"], hf["n_routed_experts"], hf["num_experts_per_tok"],
             hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]) == (27, 2048, 64, 6, 96, 32)
-    again = ModelConfig.from_hf_dict(hf)
+    again = hf_config.model_config(hf)
     assert list(again.farskip.layer_range(27)) == list(range(27)) and again.attn_output_gate
 
 
@@ -209,7 +210,7 @@ def test_hf_round_trip_preserves_fields():
                                "model.routed_scaling_factor": 2.0, "model.norm_topk_prob": True,
                                "model.farskip.enabled": True, "model.farskip.start_idx": 1,
                                "model.farskip.end_idx": 2, "model.farskip.attn_only": True}).model
-    again = ModelConfig.from_hf_dict(cfg.to_hf_dict())
+    again = hf_config.model_config(hf_config.hf_dict(cfg))
     # Fields config.json does not carry (training-side knobs) keep their defaults; compare the rest.
     for f in dataclasses.fields(ModelConfig):
         if f.name not in NOT_IN_HF:
@@ -218,20 +219,20 @@ def test_hf_round_trip_preserves_fields():
 
 
 def test_both_rope_generations_parse_the_same():
-    common = ModelConfig(num_layers=2).to_hf_dict()
+    common = hf_config.hf_dict(ModelConfig(num_layers=2))
     yarn = {"factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
             "mscale": 0.707, "mscale_all_dim": 0.707}
     legacy = {k: v for k, v in common.items() if k != "rope_parameters"}
     legacy.update(rope_theta=10000.0, rope_scaling={"type": "yarn", **yarn})
     modern = dict(common, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, **yarn})
-    a, b = ModelConfig.from_hf_dict(legacy), ModelConfig.from_hf_dict(modern)
+    a, b = hf_config.model_config(legacy), hf_config.model_config(modern)
     assert a.rope_scaling == b.rope_scaling == RopeScaling(factor=40.0, original_max_position_embeddings=4096,
                                                            mscale=0.707, mscale_all_dim=0.707)
     assert a.rope_theta == b.rope_theta == 10000.0
     # No scaling in either generation.
     plain_legacy = {k: v for k, v in common.items() if k != "rope_parameters"}
     plain_legacy.update(rope_theta=500.0, rope_scaling=None)
-    assert ModelConfig.from_hf_dict(plain_legacy).rope_scaling is None
-    assert ModelConfig.from_hf_dict(plain_legacy).rope_theta == 500.0
+    assert hf_config.model_config(plain_legacy).rope_scaling is None
+    assert hf_config.model_config(plain_legacy).rope_theta == 500.0
     with pytest.raises(ConfigError, match="rope type"):
-        ModelConfig.from_hf_dict(dict(common, rope_parameters={"rope_type": "linear", "factor": 2.0}))
+        hf_config.model_config(dict(common, rope_parameters={"rope_type": "linear", "factor": 2.0}))

@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from farskip_jax import hf_config
 from farskip_jax.checkpoint.common import bits, copy_into, nest_set, raise_problems
 from farskip_jax.checkpoint.hf_io import CheckpointError, TensorSource, np_dtype
 from farskip_jax.checkpoint.hf_keys import ParamSpec, hf_key_index, param_specs
@@ -196,7 +197,7 @@ def source_errors(source: TensorSource, cfg: ModelConfig, specs: list[ParamSpec]
         errs.append(f"{source.dir}: missing tensor {k!r} (needed for parameter {index[k][0].name})")
     for k in sorted(have - set(index)):
         errs.append(f"{source.key_to_file[k].name}: unexpected tensor {k!r} (not a parameter of "
-                    f"{cfg.to_hf_dict()['architectures'][0]} for this config.json)")
+                    f"{hf_config.hf_dict(cfg)['architectures'][0]} for this config.json)")
     for k, (spec, _) in index.items():
         if k not in have:
             continue

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from farskip_jax import hf_config
 from farskip_jax.checkpoint import orbax_io
 from farskip_jax.checkpoint.common import model_shardings, nest_set
 from farskip_jax.checkpoint.hf_io import CheckpointError, TensorSource
@@ -42,7 +43,7 @@ def config_from_dir(path: str | Path, **overrides: Any) -> ModelConfig:
     cfg_file = Path(path) / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(f"{path}: no config.json")
-    return override(ModelConfig.from_hf_dict(json.loads(cfg_file.read_text())), overrides, "model")
+    return override(hf_config.model_config(json.loads(cfg_file.read_text())), overrides, "model")
 
 
 def check_tensors(source: TensorSource, specs: list[ParamSpec]) -> None:

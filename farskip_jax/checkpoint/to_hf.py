@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from farskip_jax import hf_config
 from farskip_jax.checkpoint.common import copy_into, nest_get, nest_set, raise_problems
 from farskip_jax.checkpoint.convert import (
     Group,
@@ -141,7 +142,7 @@ def trainer_model_config(step_dir: Path) -> ModelConfig:
         for cand in (meta.get("model_config"), meta.get("model"), (meta.get("config") or {}).get("model")):
             if isinstance(cand, dict):
                 if "num_hidden_layers" in cand:
-                    return ModelConfig.from_hf_dict(cand)
+                    return hf_config.model_config(cand)
                 return from_dict(ModelConfig, cand, "model")
     raise CheckpointError(f"{step_dir / 'meta'}: no JSON with a model config under 'model_config', 'model' "
                           "or 'config.model'")
@@ -260,18 +261,18 @@ def convert_orbax_to_hf(input_dir: str | Path, output_dir: str | Path, *, dtype:
         if n > 1:
             (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                 indent=2) + "\n")
-        hf_config = cfg.to_hf_dict()
-        stock = hf_config["architectures"][0]
-        remote_code, remote_cls = REMOTE_CODE[hf_config["model_type"]]
-        if hf_config["farskip"]:
-            hf_config.update({"architectures": [remote_cls],
-                              "auto_map": {"AutoModelForCausalLM": f"{remote_code.stem}.{remote_cls}"}})
+        config_json = hf_config.hf_dict(cfg)
+        stock = config_json["architectures"][0]
+        remote_code, remote_cls = REMOTE_CODE[config_json["model_type"]]
+        if config_json["farskip"]:
+            config_json.update({"architectures": [remote_cls],
+                                "auto_map": {"AutoModelForCausalLM": f"{remote_code.stem}.{remote_cls}"}})
             shutil.copyfile(remote_code, tmp / remote_code.name)
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
     summary.bytes, summary.seconds = total, time.perf_counter() - t0
     log(summary.line(f"wrote {out} ({n} shard(s)):"))
-    if hf_config["farskip"]:
-        first, last = hf_config["farskip_start_idx"], hf_config["farskip_end_idx"]
+    if config_json["farskip"]:
+        first, last = config_json["farskip_start_idx"], config_json["farskip_end_idx"]
         log(f"warning: FarSkip model (layers {first}..{last}): "
             f"load it with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True), "
             f"which runs {remote_code.name}; without trust_remote_code transformers builds the stock "

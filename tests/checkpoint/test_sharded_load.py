@@ -15,6 +15,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 import farskip_jax
+from farskip_jax import hf_config
 from farskip_jax.checkpoint.common import model_shardings, nest_get
 from farskip_jax.checkpoint.convert import convert_hf_to_orbax
 from farskip_jax.checkpoint.hf_io import TensorSource
@@ -43,7 +44,7 @@ def hf_dir(tmp_path_factory):
         save_file({k: tensors[k] for k in ks}, str(d / name), metadata={"format": "pt"})
     index = {"weight_map": {k: name for name, ks in halves.items() for k in ks}}
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
-    (d / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    (d / "config.json").write_text(json.dumps(hf_config.hf_dict(cfg)))
     return d, cfg, pure
 
 

@@ -46,10 +46,11 @@ from safetensors.torch import load_file, save_file
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
 import farskip_jax
+from farskip_jax import hf_config
 from farskip_jax.checkpoint.convert import convert_hf_to_orbax
 from farskip_jax.checkpoint.hf_io import TensorSource
 from farskip_jax.checkpoint.to_hf import convert_orbax_to_hf
-from farskip_jax.config import MeshConfig, ModelConfig, TrainConfig
+from farskip_jax.config import MeshConfig, TrainConfig
 from farskip_jax.generation import Generator
 from farskip_jax.model.farskip import REGULAR
 from farskip_jax.model.moe import MoE
@@ -93,7 +94,7 @@ def test_config_reads_hf(case):
     assert [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)] == hf_moe
     assert (cfg.router_score, cfg.router_bias, cfg.group_score) == ("sigmoid", True, "top2_sum")
     assert cfg.rope_style == ("interleaved" if hf.config.rope_interleave else "half")
-    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+    assert hf_config.model_config(hf_config.hf_dict(cfg)) == cfg
     bias = np.asarray(case["model"].layers[hf_moe[0]].moe.router_bias[...])
     np.testing.assert_array_equal(bias, hf.model.layers[hf_moe[0]].mlp.gate.e_score_correction_bias.numpy())
 
@@ -122,7 +123,7 @@ def test_converter_round_trip_bitwise(fs_case, tmp_path):
     _assert_same_tensors(case["dir"], back)
     written = json.loads((back / "config.json").read_text())
     assert written["model_type"] == "deepseek_v3" and written["architectures"] == ["DeepseekV3ForCausalLM"]
-    assert ModelConfig.from_hf_dict(written) == case["model"].cfg
+    assert hf_config.model_config(written) == case["model"].cfg
     np.testing.assert_array_equal(jax_logits(farskip_jax.from_pretrained(back), case["ids"]),
                                   jax_logits(case["model"], case["ids"]))
 
@@ -165,7 +166,7 @@ def test_router_bias_gets_no_update():
     """The correction bias is a parameter (checkpoints carry it) that training never changes: no
     gradient reaches it, no weight decay, so an AdamW step leaves it bit for bit."""
     # The padded expert matmul compiles fastest on CPU; the router is the same either way.
-    cfg = ModelConfig.from_hf_dict(tiny_dsv3_config().to_dict(), expert_matmul="padded")
+    cfg = hf_config.model_config(tiny_dsv3_config().to_dict(), expert_matmul="padded")
     moe = MoE(cfg, nnx.Rngs(0))
     moe.router_bias[...] = jnp.linspace(-0.5, 0.5, cfg.n_routed_experts)
     graphdef, params = nnx.split(moe, nnx.Param)
@@ -360,7 +361,7 @@ def test_instella_round_trip_and_remote_code(instella, tmp_path, monkeypatch):
     assert written["gated_attention"] and written["farskip"]
     assert written["auto_map"]["AutoModelForCausalLM"] == \
         "modeling_farskip_deepseek_v3.FarSkipDeepseekV3ForCausalLM"
-    assert ModelConfig.from_hf_dict(written) == instella["model"].cfg
+    assert hf_config.model_config(written) == instella["model"].cfg
     ours = jax_logits(instella["model"], instella["ids"])
     np.testing.assert_array_equal(jax_logits(farskip_jax.from_pretrained(out), instella["ids"]), ours)
     remote = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()

@@ -41,10 +41,11 @@ from hf_tiny import (
 from transformers import Llama4Config, Llama4ForConditionalGeneration, Llama4TextConfig
 
 import farskip_jax
+from farskip_jax import hf_config
 from farskip_jax.checkpoint.convert import convert_hf_to_orbax
 from farskip_jax.checkpoint.hf_io import TensorSource
 from farskip_jax.checkpoint.to_hf import convert_orbax_to_hf
-from farskip_jax.config import ModelConfig, load_config
+from farskip_jax.config import load_config
 from farskip_jax.model.farskip import REGULAR
 
 BAR = 1e-4
@@ -86,7 +87,7 @@ def test_config_and_layer_rule(case):
     assert cfg.intermediate_size == hf.config.intermediate_size_mlp
     assert cfg.moe_intermediate_size == hf.config.intermediate_size and cfg.n_shared_experts == 1
     assert ("lm_head.weight" in TensorSource(case["dir"]).keys()) != cfg.tie_word_embeddings
-    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+    assert hf_config.model_config(hf_config.hf_dict(cfg)) == cfg
 
 
 def test_logits_match_hf(case):
@@ -112,7 +113,7 @@ def test_converter_round_trip_bitwise(case, tmp_path):
         assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), k
     written = json.loads((back / "config.json").read_text())
     assert written["model_type"] == "llama4_text" and "auto_map" not in written
-    assert ModelConfig.from_hf_dict(written) == case["model"].cfg
+    assert hf_config.model_config(written) == case["model"].cfg
     Llama4TextConfig(**{k: v for k, v in written.items() if k not in ("architectures", "model_type")})
     np.testing.assert_array_equal(jax_logits(farskip_jax.from_pretrained(orbax), case["ids"]),
                                   jax_logits(case["model"], case["ids"]))
@@ -167,7 +168,7 @@ def test_int_attn_temperature_tuning_is_accepted(text_case, tmp_path):
     hf["attn_temperature_tuning"] = 4
     with pytest.raises(Exception):  # noqa: B017 - whichever validation error HF raises
         Llama4TextConfig(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type")})
-    assert ModelConfig.from_hf_dict(hf) == farskip_jax.from_pretrained(text_case["dir"]).cfg
+    assert hf_config.model_config(hf) == farskip_jax.from_pretrained(text_case["dir"]).cfg
 
 
 SCOUT_CONFIG_JSON = {  # meta-llama/Llama-4-Scout-17B-16E-Instruct's config.json, text part
@@ -191,7 +192,7 @@ SCOUT_CONFIG_JSON = {  # meta-llama/Llama-4-Scout-17B-16E-Instruct's config.json
 def test_scout_config_json_is_our_yaml():
     """configs/llama4_scout.yaml is the published Scout config.json's text model; the _farskip config
     is the same model with every layer FarSkip."""
-    ours = ModelConfig.from_hf_dict(SCOUT_CONFIG_JSON)
+    ours = hf_config.model_config(SCOUT_CONFIG_JSON)
     base = load_config("llama4_scout").model
     runtime = ("param_dtype", "dtype", "remat", "batch_split")  # how it runs, not which model
     assert dataclasses.replace(base, **{k: getattr(ours, k) for k in runtime}) == ours

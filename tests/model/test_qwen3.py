@@ -39,10 +39,11 @@ from hf_tiny import (
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 import farskip_jax
+from farskip_jax import hf_config
 from farskip_jax.checkpoint.convert import convert_hf_to_orbax
 from farskip_jax.checkpoint.hf_io import TensorSource
 from farskip_jax.checkpoint.to_hf import convert_orbax_to_hf
-from farskip_jax.config import MeshConfig, ModelConfig
+from farskip_jax.config import MeshConfig
 from farskip_jax.generation import Generator
 from farskip_jax.model.farskip import REGULAR
 from farskip_jax.parallel import make_mesh
@@ -83,7 +84,7 @@ def test_config_and_layer_rule(case):
     assert cfg.tie_word_embeddings == hf.config.tie_word_embeddings
     assert ("lm_head.weight" in TensorSource(case["dir"]).keys()) != cfg.tie_word_embeddings
     # config.json round trip through ours
-    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+    assert hf_config.model_config(hf_config.hf_dict(cfg)) == cfg
 
 
 def test_logits_match_hf(case):
@@ -108,7 +109,7 @@ def test_converter_round_trip_bitwise(case, tmp_path):
         assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), k
     written = json.loads((back / "config.json").read_text())
     assert written["model_type"] == "qwen3_moe" and "auto_map" not in written
-    assert ModelConfig.from_hf_dict(written) == case["model"].cfg
+    assert hf_config.model_config(written) == case["model"].cfg
     np.testing.assert_array_equal(jax_logits(farskip_jax.from_pretrained(orbax), case["ids"]),
                                   jax_logits(case["model"], case["ids"]))
 

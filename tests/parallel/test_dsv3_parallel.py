@@ -14,7 +14,8 @@ import numpy as np
 from flax import nnx
 from par_common import ids_and_weights, max_abs_err, record, run_fast, with_tiny_buffers
 
-from farskip_jax.config import MeshConfig, ModelConfig
+from farskip_jax import hf_config
+from farskip_jax.config import MeshConfig
 from farskip_jax.model.transformer import build_model, with_farskip
 from farskip_jax.parallel import ExpertParallel, batch_sharding, make_mesh, place
 
@@ -32,7 +33,7 @@ DSV3_TINY = {
 
 
 def test_ep4_equals_single_device():
-    cfg = with_tiny_buffers(with_farskip(ModelConfig.from_hf_dict(DSV3_TINY), enabled=True))
+    cfg = with_tiny_buffers(with_farskip(hf_config.model_config(DSV3_TINY), enabled=True))
     assert cfg.router_bias and cfg.attn_output_gate
     model = build_model(cfg, seed=3)
     for i in (1, 2):  # a bias that changes the choice (build_model starts it at zero)

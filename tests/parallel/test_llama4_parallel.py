@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 from par_common import ids_and_weights, max_abs_err, record, run_fast, with_tiny_buffers
 
+from farskip_jax import hf_config
 from farskip_jax.config import MeshConfig, ModelConfig
 from farskip_jax.model.transformer import build_model, with_farskip
 from farskip_jax.parallel import ExpertParallel, batch_sharding, make_mesh, place, tp_forward
@@ -37,7 +38,7 @@ LLAMA4_TINY = {
 
 
 def _cfg(farskip: bool) -> ModelConfig:
-    return with_tiny_buffers(with_farskip(ModelConfig.from_hf_dict(LLAMA4_TINY), enabled=farskip))
+    return with_tiny_buffers(with_farskip(hf_config.model_config(LLAMA4_TINY), enabled=farskip))
 
 
 def _loss_fn(forward):

@@ -19,6 +19,7 @@ import pytest
 from flax import nnx
 from par_common import ids_and_weights, max_abs_err, record, run_fast, with_tiny_buffers
 
+from farskip_jax import hf_config
 from farskip_jax.config import ConfigError, MeshConfig, ModelConfig
 from farskip_jax.model.transformer import build_model, with_farskip
 from farskip_jax.parallel import ExpertParallel, batch_sharding, make_mesh, place, tp_forward
@@ -35,7 +36,7 @@ QWEN3_TINY = {
 
 
 def _cfg(farskip: bool) -> ModelConfig:
-    return with_tiny_buffers(with_farskip(ModelConfig.from_hf_dict(QWEN3_TINY), enabled=farskip))
+    return with_tiny_buffers(with_farskip(hf_config.model_config(QWEN3_TINY), enabled=farskip))
 
 
 def _loss_fn(forward):
