@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test,inspect-cuda,inspect-rocm]'
 	# Stand-in ROCm libraries (system cc), so that the MI300X deviceless tests run in `make test`.
-	$(BIN)/python -m farskip_jax.inspect.rocm_standins build > /dev/null
+	$(BIN)/python -m farskip_jax.xla.rocm_standins build > /dev/null
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -44,7 +44,7 @@ reproduce: $(STAMP)
 # it by hand: stand-ins are rebuilt when the plugin changed (keyed by its size and mtime), and the
 # manifest (libraries, version nodes, functions) is printed.
 rocm-plugin: $(STAMP)
-	$(BIN)/python -m farskip_jax.inspect.rocm_standins build
+	$(BIN)/python -m farskip_jax.xla.rocm_standins build
 
 clean:
 	rm -rf $(VENV)

@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "steps and the eval batches to DIR, print the top-k vs full-teacher KL gap, and "
                         "exit; train with --set train.teacher_cache=DIR afterwards")
     p.add_argument("--xla-flags", choices=("auto", "h200", "mi300x", "none"), default="auto",
-                   help="append farskip_jax.xla_flags' defaults for this GPU family to XLA_FLAGS before "
+                   help="append farskip_jax.xla.flags' defaults for this GPU family to XLA_FLAGS before "
                         "the first compile (auto: from /dev/kfd or /dev/nvidia*); flags already in "
                         "XLA_FLAGS win")
     p.add_argument("--log-level", default="WARNING", help="Python logging level (default WARNING)")
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config, parse_overrides(args.overrides))
     if args.xla_flags != "none":
-        from farskip_jax.xla_flags import apply_default_xla_flags, detect_local_target
+        from farskip_jax.xla.flags import apply_default_xla_flags, detect_local_target
 
         target = detect_local_target() if args.xla_flags == "auto" else args.xla_flags
         added = apply_default_xla_flags(target)

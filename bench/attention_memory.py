@@ -6,7 +6,7 @@ q/k head dim 192, v head dim 128, bf16, one sequence, causal + segment ids) and 
 outputs, where the reference keeps its [H, T, T] fp32 scores and probabilities. The blockwise
 forward has a separate inference layout (model/flash.py), so its forward alone is compiled too.
 Nothing is allocated, so 32k tokens compiles on any CPU. `--target h200` compiles for a deviceless H200
-instead (needs the jax-cuda13 plugin wheels, see farskip_jax/inspect/aot.py).
+instead (needs the jax-cuda13 plugin wheels, see farskip_jax/xla/aot.py).
 
     JAX_PLATFORMS=cpu .venv/bin/python bench/attention_memory.py [--tokens 1024 4096 8192 32768]
 """
@@ -56,7 +56,7 @@ def main() -> None:
     args = ap.parse_args()
     sharding = None
     if args.target != "cpu":
-        from farskip_jax.inspect import aot
+        from farskip_jax.xla import aot
 
         mesh = aot.make_target_mesh(args.target, {"tensor": 1})
         sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

@@ -100,7 +100,7 @@ def cpu_rows(args: argparse.Namespace) -> list[dict]:
 def device_worker(target: str, matmul: str, grouped_gemm: bool, tokens: int) -> dict:
     """One deviceless compile (run in a fresh process); returns its numbers as a dict."""
     if target == "mi300x":
-        from farskip_jax.inspect import rocm_standins
+        from farskip_jax.xla import rocm_standins
 
         rocm_standins.enable()
     import jax
@@ -109,13 +109,14 @@ def device_worker(target: str, matmul: str, grouped_gemm: bool, tokens: int) -> 
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from farskip_jax import xla_flags
     from farskip_jax.config import ModelConfig
-    from farskip_jax.inspect import aot, hlo
+    from farskip_jax.inspect import hlo
     from farskip_jax.model.moe import MoE
     from farskip_jax.parallel import ExpertParallel
     from farskip_jax.parallel.collectives import resolve_exchange
     from farskip_jax.parallel.mesh import BATCH_AXES
+    from farskip_jax.xla import aot, costs, hlo_parse
+    from farskip_jax.xla import flags as xla_flags
 
     mesh = aot.make_target_mesh(target, {"data": 1, "expert": 8, "tensor": 1})
     cfg = ModelConfig(dtype="bfloat16", param_dtype="bfloat16", expert_matmul=matmul)  # DSV2-Lite widths
@@ -142,7 +143,7 @@ def device_worker(target: str, matmul: str, grouped_gemm: bool, tokens: int) -> 
     seconds = time.perf_counter() - t0
     text = compiled.as_text()
     analysis = hlo.analyze(text, target)
-    mod = hlo.parse_hlo(text)
+    mod = hlo_parse.parse_hlo(text)
     custom_calls: Counter[str] = Counter()
     dots = 0
     for comp in mod.computations.values():
@@ -152,7 +153,7 @@ def device_worker(target: str, matmul: str, grouped_gemm: bool, tokens: int) -> 
                 custom_calls[target_match.group(1)] += 1
             dots += ins.opcode == "dot"
     entry = mod.computations[mod.entry]
-    flops = sum(hlo.instr_flops(mod, entry, ins) for ins in entry.instrs)
+    flops = sum(costs.instr_flops(mod, entry, ins) for ins in entry.instrs)
     a2a = [c for c in analysis.collectives if "all-to-all" in c.kind]
     return {"target": target, "matmul": matmul, "exchange": resolve_exchange(cfg.ep_exchange, mesh),
             "grouped_gemm_flag": grouped_gemm, "compile_s": seconds, "dot_tflops": flops / 1e12,

@@ -2,7 +2,7 @@
 
 Each row is one compile of `farskip_jax.train.program.abstract_train_step` (student forward +
 backward + AdamW, the frozen teacher's forward, ZeRO-1 layouts) for an 8-GPU expert-parallel
-target, through the inspector's deviceless compile (`farskip_jax.inspect.aot`). The numbers are
+target, through the inspector's deviceless compile (`farskip_jax.xla.aot`). The numbers are
 XLA's buffer assignment for one device (`Compiled.memory_analysis()`): the peak, and temp = the
 arena of everything that lives only inside the step. "fits" means peak <= --max-fraction of the
 HBM in the target spec (farskip_jax/targets/*.txtpb: H200 141 GiB, MI300X 192 GiB); the runtime's
@@ -53,7 +53,7 @@ class Row:
 
 def _one(args: argparse.Namespace) -> dict[str, Any]:
     """Child process: compile one step for one target and return its memory section."""
-    from farskip_jax.inspect import aot
+    from farskip_jax.xla import aot
 
     aot.prepare_deviceless(args.target)  # before anything starts a JAX backend
     from farskip_jax.config import load_config, parse_overrides

@@ -123,7 +123,7 @@ def compile_seconds(cfg: ModelConfig, mesh: Any, batch: int, seq: int, layer_loo
         t0 = time.perf_counter()
         fn.lower(*args).compile()
         return time.perf_counter() - t0
-    from farskip_jax.inspect.aot import compile_scheduled_hlo
+    from farskip_jax.xla.aot import compile_scheduled_hlo
 
     try:
         art = compile_scheduled_hlo(fn, *args, target="h200")
@@ -147,7 +147,7 @@ def main() -> None:
     h200_mesh = None
     if not args.no_h200:
         try:
-            from farskip_jax.inspect.aot import make_target_mesh
+            from farskip_jax.xla.aot import make_target_mesh
 
             h200_mesh = make_target_mesh("h200", {"data": 1, "expert": 8, "tensor": 1})
         except Exception as e:  # noqa: BLE001 - the plugin is optional

@@ -4,8 +4,8 @@ latency-hiding scheduler real costs hide more all-to-all time?
 For FarSkip and regular connectivity it compiles the trainer's step (forward + backward + AdamW,
 ``inspect.steps.build_train_step``, 1 sequence of ``--seq-len`` tokens per device, EP=8) four ways:
 
-  (a) default flags (farskip_jax.xla_flags for the target: LHS on, Triton GEMM off)
-  (b) (a) + a synthetic PGLE profile from the inspector's cost model (inspect/pgle.py)
+  (a) default flags (farskip_jax.xla.flags for the target: LHS on, Triton GEMM off)
+  (b) (a) + a synthetic PGLE profile from the inspector's cost model (xla/pgle.py)
   (c) (a) + xla_gpu_experimental_parallel_collective_overlap_limit=2
   (d) (c) + synthetic PGLE
 
@@ -13,7 +13,7 @@ For FarSkip and regular connectivity it compiles the trainer's step (forward + b
 prints per row: all-to-all time hidden (by the inspector's `hidden = min(compute between, transfer)
 / transfer`, summed over all all-to-alls, padded and ragged), the same for all collectives, the
 timeline-replay step estimate and the compile time; then the git commit the numbers come from. Estimates, not
-measurements, and the profile uses the same roofline that measures it (see inspect/pgle.py).
+measurements, and the profile uses the same roofline that measures it (see xla/pgle.py).
 
     .venv/bin/python bench/pgle_mi300x.py --layers 4            # reduced: minutes on 2 cores
     .venv/bin/python bench/pgle_mi300x.py                       # full 27 layers: tens of minutes
@@ -81,11 +81,12 @@ def row(variant: str, mode: str, art: Any, target: str) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.target == "mi300x":
         # the ROCm plugin must find its stand-ins before JAX discovers plugins
-        from farskip_jax.inspect import rocm_standins
+        from farskip_jax.xla import rocm_standins
 
         rocm_standins.enable()
     from farskip_jax.config import load_config, parse_overrides
-    from farskip_jax.inspect import aot, pgle, steps
+    from farskip_jax.inspect import steps
+    from farskip_jax.xla import aot, pgle
 
     # one sequence per device: no batch split (configs/dsv2lite.yaml splits 4 sequences in two)
     overrides = ["model.batch_split=1"] + ([f"model.num_layers={args.layers}"] if args.layers else [])

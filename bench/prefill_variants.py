@@ -100,6 +100,7 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from farskip_jax.config import load_config, parse_overrides
     from farskip_jax.inspect import cli, steps
+    from farskip_jax.model.dispatch import balanced_grouped_fill
 
     out = Path(args.out) / args.target
     results: dict[str, dict[str, Any]] = {}
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         build = (ttft_step(cfg, args.batch, args.seq_len) if args.program == "ttft"
                  else steps.build_prefill_step(cfg, args.batch, args.seq_len))
         mesh = {"data": 1, "expert": 1, "tensor": args.tp}
-        fill = (steps.balanced_grouped_fill(cfg.model, mesh, False, args.batch * args.seq_len, args.seq_len)
+        fill = (balanced_grouped_fill(cfg.model, mesh, False, args.batch * args.seq_len, args.seq_len)
                 if args.moe_load == "balanced" else 1.0)
         ns = argparse.Namespace(target=args.target, mesh=mesh, modes=",".join(modes), out=out / name,
                                 lhs_dump=False, compiler_option=list(COMBINERS_OFF), no_default_options=False,

@@ -34,7 +34,7 @@ from farskip_jax.cli_logits import (
     provide_host_devices,
 )
 from farskip_jax.errors import cli_main, jsonl_values
-from farskip_jax.xla_flags import apply_default_xla_flags, detect_local_target
+from farskip_jax.xla.flags import apply_default_xla_flags, detect_local_target
 
 DESCRIPTION = """\
 Generate from a DeepSeek-V2 checkpoint (an HF directory, or an Orbax directory written by

@@ -26,7 +26,7 @@ import numpy as np
 
 from farskip_jax.config import MeshConfig, ModelConfig
 from farskip_jax.errors import UserError, cli_main
-from farskip_jax.xla_flags import detect_local_target
+from farskip_jax.xla.flags import detect_local_target
 
 DESCRIPTION = """\
 Run an HF DeepSeek-V2 checkpoint (config.json + *.safetensors, sharded or not, or

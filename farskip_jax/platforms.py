@@ -23,7 +23,7 @@ initialises every installed plugin at its first backend use, and without the har
 
 A deviceless compile needs ``jax_platforms=cpu`` while the GPU plugins still load (they provide the
 compile-only topologies): ``use_cpu_for_deviceless_compile()`` arranges that, and the ROCm plugin
-registers once ``farskip_jax.inspect.rocm_standins.enable()`` has run (it bypasses the GPU count, so
+registers once ``farskip_jax.xla.rocm_standins.enable()`` has run (it bypasses the GPU count, so
 the filter above has nothing to drop).
 """
 
@@ -149,7 +149,7 @@ def use_cpu_for_deviceless_compile() -> None:
 
 def target_device():
     """The device the program being traced will run on: JAX's default device, which a deviceless
-    compile sets to one of the target's compile-only devices while it traces (inspect/aot.py).
+    compile sets to one of the target's compile-only devices while it traces (xla/aot.py).
 
     Kernel choices that depend on the hardware (`expert_matmul: auto`, `attention: auto`, and
     tokamax's own kernel selection) read it, so a CPU-hosted compile for an H200 picks the H200's

@@ -25,7 +25,7 @@ from typing import Any
 
 from farskip_jax import distributed
 from farskip_jax.errors import UserError, cli_main
-from farskip_jax.xla_flags import PSUM_COMBINE_OFF
+from farskip_jax.xla.flags import PSUM_COMBINE_OFF
 
 # Inference TP: FarSkip's psums stay apart (xla_flags.PSUM_COMBINE_OFF), as `generate` runs them.
 PSUM_COMBINE_OPTION = (PSUM_COMBINE_OFF.name, int(PSUM_COMBINE_OFF.value))
@@ -71,12 +71,12 @@ def add_inspect_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--compiler-option", type=_parse_option, action="append", default=[],
                    metavar="NAME=VALUE", help="extra per-compile XLA option (repeatable)")
     g.add_argument("--no-default-options", action="store_true",
-                   help="do not add farskip_jax.xla_flags.compiler_options_for(target)")
+                   help="do not add farskip_jax.xla.flags.compiler_options_for(target)")
     g.add_argument("--save-hlo", action=argparse.BooleanOptionalAction, default=True,
                    help="write the scheduled HLO per mode, gzip-compressed (scheduled_<mode>.hlo.txt.gz)")
     g.add_argument("--pgle", choices=("auto", "synthetic", "off"), default="auto",
                    help="schedule with a synthetic PGLE profile priced by the inspector's own cost model "
-                        "(inspect/pgle.py; two compiles per mode). auto = synthetic for mi300x, whose "
+                        "(xla/pgle.py; two compiles per mode). auto = synthetic for mi300x, whose "
                         "scheduler otherwise uses fixed-cost units, off for h200 and local")
     g.add_argument("--timeline", action=argparse.BooleanOptionalAction, default=True,
                    help="draw the estimated timeline of two middle layers (report_<mode>.timeline.png)")
@@ -84,7 +84,7 @@ def add_inspect_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 
 def grouped_fill(args: argparse.Namespace) -> float:
-    """The cost model's grouped-GEMM fill (``hlo._Analyzer``); 1.0 unless the caller set one."""
+    """The cost model's grouped-GEMM fill (``xla.costs.CostModel``); 1.0 unless the caller set one."""
     return getattr(args, "grouped_fill", 1.0)
 
 
@@ -97,7 +97,7 @@ def _compile(fn: Any, specs: Sequence[Any], args: argparse.Namespace,
              profile_dir: Path | None = None) -> tuple[Any, dict[str, Any]]:
     """(compiled artifacts, extra report meta): with PGLE the meta names the profile and how the
     run without it (the baseline, the same compile XLA schedules with its default costs) did."""
-    from farskip_jax.inspect import aot, pgle
+    from farskip_jax.xla import aot, pgle
 
     try:
         if use_pgle(args):
@@ -132,7 +132,7 @@ def run_inspect(args: argparse.Namespace, build_step: BuildStep,
     accounting (static dot FLOPs / useful, roofline, est. MFU); None leaves the useful side out.
     ``args.compare == "four"`` (``--compare four``): the four modes of ``steps.four_modes`` are
     also tabulated together (compare_four.json / .md)."""
-    from farskip_jax.inspect import aot
+    from farskip_jax.xla import aot
 
     # Before anything touches a JAX backend: cpu platforms (and the ROCm stand-ins for mi300x).
     aot.prepare_deviceless(args.target)
@@ -319,6 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.compare_regular and args.compare is None:
         args.compare = "regular"
     from farskip_jax.inspect import steps
+    from farskip_jax.model.dispatch import balanced_grouped_fill
 
     if args.compare == "four":
         if not ep:
@@ -342,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.compiler_option.append(PSUM_COMBINE_OPTION)
     tokens = (args.seqs_per_device * args.seq_len if ep else args.batch if args.mode == "decode"
               else args.batch * args.seq_len)
-    args.grouped_fill = (steps.balanced_grouped_fill(cfg.model, mesh, ep, tokens, args.seq_len)
+    args.grouped_fill = (balanced_grouped_fill(cfg.model, mesh, ep, tokens, args.seq_len)
                          if args.moe_load == "balanced" else 1.0)
     if args.mode == "train":
         build = steps.build_train_step(cfg, args.seqs_per_device, args.seq_len)

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from farskip_jax.inspect.hlo_parse import Computation, HloModule, parse_hlo
+from farskip_jax.xla.hlo_parse import Computation, HloModule, parse_hlo
 
 
 @dataclass

@@ -46,7 +46,7 @@ def build_report(analysis: Analysis, meta: dict[str, Any] | None = None,
     """JSON-serialisable report: totals, per-collective records, XLA's LHS statistics, metadata,
     ``memory`` (``aot.memory_section`` of the compiled step; None when not compiled here) and
     ``accounting`` (``accounting``; ``useful``: ``flops.step_flops`` of the step)."""
-    from farskip_jax.inspect.hlo import HARDWARE
+    from farskip_jax.xla.costs import HARDWARE
 
     rep = analysis.to_dict()
     rep["meta"] = meta or {}

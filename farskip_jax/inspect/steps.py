@@ -20,7 +20,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from farskip_jax.config import Config, ModelConfig
-from farskip_jax.model.dispatch import moe_buffer
 from farskip_jax.model.transformer import Transformer, with_farskip
 from farskip_jax.parallel import param_specs_tree, replicate_kv_heads, tp_forward
 
@@ -87,24 +86,6 @@ def build_fcsd_step(cfg: Config, seqs_per_device: int, seq_len: int
 
     return build
 
-
-def balanced_grouped_fill(cfg: ModelConfig, mesh: dict[str, int], expert_parallel: bool, tokens: int,
-                          seq_len: int) -> float:
-    """The fraction of a grouped GEMM's static rows that hold tokens when routing is balanced.
-
-    ``tokens``: per device under expert parallelism (``expert_parallel``), per TP group otherwise.
-    The rows are what `dispatch.moe_buffer` sizes: EP, a rank's receive buffer from its G sources
-    (ragged exchange: the GPU path); TP, a rank's share of the N*K sorted assignments (bounded by
-    the same rule; without a bound, all N*K rows are the GEMM's static rows and 1/G of them fill).
-    """
-    if expert_parallel:
-        g = mesh.get("expert", 1)
-        buf = moe_buffer(cfg, tokens, g, seq_len, sources=g)
-        return min(1.0, buf.balanced / buf.rows)
-    g = mesh.get("tensor", 1)
-    buf = moe_buffer(cfg, tokens, g, seq_len)
-    rows = buf.rows if buf.bounded else tokens * cfg.num_experts_per_tok
-    return min(1.0, buf.balanced / rows)
 
 
 def build_prefill_step(cfg: Config, batch: int, seq_len: int

@@ -108,6 +108,25 @@ def moe_buffer(cfg: ModelConfig, tokens: int, ranks: int, seq_len: int, sources:
     return MoeBuffer(min(worst, bound), worst, balanced)
 
 
+def balanced_grouped_fill(cfg: ModelConfig, mesh: dict[str, int], expert_parallel: bool, tokens: int,
+                          seq_len: int) -> float:
+    """The fraction of a grouped GEMM's static rows that hold tokens when routing is balanced.
+
+    ``tokens``: per device under expert parallelism (``expert_parallel``), per TP group otherwise.
+    The rows are what `moe_buffer` sizes: EP, a rank's receive buffer from its G sources
+    (ragged exchange: the GPU path); TP, a rank's share of the N*K sorted assignments (bounded by
+    the same rule; without a bound, all N*K rows are the GEMM's static rows and 1/G of them fill).
+    """
+    if expert_parallel:
+        g = mesh.get("expert", 1)
+        buf = moe_buffer(cfg, tokens, g, seq_len, sources=g)
+        return min(1.0, buf.balanced / buf.rows)
+    g = mesh.get("tensor", 1)
+    buf = moe_buffer(cfg, tokens, g, seq_len)
+    rows = buf.rows if buf.bounded else tokens * cfg.num_experts_per_tok
+    return min(1.0, buf.balanced / rows)
+
+
 def expert_capacity(seq_len: int, cfg: ModelConfig) -> int:
     """Assignments each expert keeps per sequence: ceil(cf * T * K / E); 0 means dropless."""
     if cfg.capacity_factor <= 0:

@@ -21,7 +21,7 @@ cotangents without the shard_map's varying-axes type ("the manual axis types do 
 weights transposed; dW: a ragged dot whose contraction runs over the ragged rows) and types its
 result like its rows and each cotangent like its primal (a Pallas kernel's outputs vary over no
 shard_map axis by type). tokamax picks its kernel from JAX's default device, which a deviceless
-compile sets to the target's (inspect/aot.py).
+compile sets to the target's (xla/aot.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 On MI300X (gfx942) XLA's latency-hiding scheduler has no cost model and prices every async
 collective at the same fixed units, so left alone it hides much less all-to-all time than the
-program allows (BENCHMARKS.md F). `farskip_jax.inspect.pgle` gives it per-instruction costs from the
+program allows (BENCHMARKS.md F). `farskip_jax.xla.pgle` gives it per-instruction costs from the
 inspector's roofline and link model; here the trainer does the same for the step it runs: compile
 once to read the module the scheduler receives, price it, and compile again with that profile. The
 inspector's `--target mi300x` reports are of this schedule. Replacing it with a profile measured on
@@ -20,7 +20,7 @@ import jax
 
 from farskip_jax.config import Config
 from farskip_jax.errors import UserError
-from farskip_jax.xla_flags import detect_local_target
+from farskip_jax.xla.flags import detect_local_target
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +42,9 @@ def compile_with_profile(step: Any, args: tuple, gpu: str, profile_dir: Path, cf
                          seqs_per_device: int) -> Callable[..., Any]:
     """`step` (a jitted train step) compiled for these arguments with a synthetic PGLE profile of
     itself; returns the executable, called like `step`."""
-    from farskip_jax.inspect import pgle
-    from farskip_jax.inspect.steps import balanced_grouped_fill
-    from farskip_jax.xla_flags import compiler_options_for
+    from farskip_jax.model.dispatch import balanced_grouped_fill
+    from farskip_jax.xla import pgle
+    from farskip_jax.xla.flags import compiler_options_for
 
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), args)
     mesh = {"data": cfg.mesh.data, "expert": cfg.mesh.expert, "tensor": cfg.mesh.tensor}

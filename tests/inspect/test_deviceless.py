@@ -15,7 +15,8 @@ import jax
 import pytest
 import toy_programs
 
-from farskip_jax.inspect import aot, cli, hlo
+from farskip_jax.inspect import cli, hlo
+from farskip_jax.xla import aot, costs
 
 pytest.importorskip("jax_plugins.xla_cuda13", reason="jax-cuda13-pjrt not installed")
 
@@ -158,8 +159,8 @@ def test_nameless_ragged_exchanges_get_their_roles(mesh: jax.sharding.Mesh) -> N
     # Each moves a device's own 64 rows (f32, 128 wide), not the 8x worst-case receive buffer.
     own_rows = 64 * 128 * 4
     assert [c.bytes for c in rag] == [own_rows] * 4
-    assert rag[0].transfer_us == pytest.approx(hlo.transfer_time_us("ragged-all-to-all", own_rows, 8,
-                                                                     hlo.HARDWARE["h200"]))
+    assert rag[0].transfer_us == pytest.approx(costs.transfer_time_us("ragged-all-to-all", own_rows, 8,
+                                                                     costs.HARDWARE["h200"]))
 
 
 def test_teacher_collectives_reported_apart(mesh: jax.sharding.Mesh, tmp_path: Path) -> None:

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from farskip_jax import xla_flags
 from farskip_jax.inspect import hlo, report
+from farskip_jax.xla import costs, hlo_parse
+from farskip_jax.xla import flags as xla_flags
 
 DATA = Path(__file__).parent / "data"
-H200 = hlo.HARDWARE["h200"]
+H200 = costs.HARDWARE["h200"]
 
 
 def _analyze(name: str, target: str = "h200") -> hlo.Analysis:
@@ -49,10 +50,10 @@ def test_async_pair_with_compute_between() -> None:
 
 def test_nested_while_body_and_wrappers() -> None:
     a = _analyze("nested_while.hlo")
-    mod = hlo.parse_hlo((DATA / "nested_while.hlo").read_text())
+    mod = hlo_parse.parse_hlo((DATA / "nested_while.hlo").read_text())
     assert mod.entry == "main" and mod.is_scheduled and mod.num_partitions == 8
     init = mod.computations["main"].by_name["init_acc"]
-    assert hlo.instr_flops(mod, mod.computations["main"], init) == 2 * 1024 * 1024 * 4096
+    assert costs.instr_flops(mod, mod.computations["main"], init) == 2 * 1024 * 1024 * 4096
     by = {c.kind: c for c in a.collectives}
     assert set(by) == {"all-reduce", "all-to-all", "reduce-scatter"}
     assert all(c.computation == "body" and c.weight == 4 for c in a.collectives)
@@ -110,29 +111,29 @@ def test_model_of_teacher_scope() -> None:
 
 
 def test_transfer_model_mi300x_full_mesh() -> None:
-    hw = hlo.HARDWARE["mi300x"]
+    hw = costs.HARDWARE["mi300x"]
     # all-to-all: 7 peer slices, each over its own 64 GB/s xGMI link
-    assert hlo.transfer_time_us("all-to-all", 8e6, 8, hw) == pytest.approx(7e6 / (7 * 64e9) * 1e6 + 5)
-    assert hlo.transfer_time_us("collective-permute", 8e6, 2, hw) == pytest.approx(8e6 / 64e9 * 1e6 + 5)
+    assert costs.transfer_time_us("all-to-all", 8e6, 8, hw) == pytest.approx(7e6 / (7 * 64e9) * 1e6 + 5)
+    assert costs.transfer_time_us("collective-permute", 8e6, 2, hw) == pytest.approx(8e6 / 64e9 * 1e6 + 5)
     # 32 GPUs over 4 nodes: the inter-node 3/4 of the volume goes over the 50 GB/s NIC
-    assert hlo.transfer_time_us("all-to-all", 8e6, 32, H200) == pytest.approx(
+    assert costs.transfer_time_us("all-to-all", 8e6, 32, H200) == pytest.approx(
         8e6 * 31 / 32 * 24 / 32 / 50e9 * 1e6 + 5)
 
 
 def test_group_size_reads_every_replica_group_notation() -> None:
     """jaxlib 0.12 prints named mesh axes; 0.10 printed iota and explicit lists (all seen in real
     deviceless compiles: tests/inspect/data and a 0.12 EP compile over a (data=2, expert=4) mesh)."""
-    def op(groups: str) -> hlo.Instr:
-        return hlo.Instr("a2a", "bf16[8]{0}", "all-to-all", ["x"],
+    def op(groups: str) -> hlo_parse.Instr:
+        return hlo_parse.Instr("a2a", "bf16[8]{0}", "all-to-all", ["x"],
                          f"channel_id=1, replica_groups={groups}, dimensions={{0}}")
 
-    assert hlo.group_size(op("mesh['data'=2,'expert'=4] {'expert'}"), 99) == 4
-    assert hlo.group_size(op("mesh['data'=2,'expert'=4] {'data'}"), 99) == 2
-    assert hlo.group_size(op("mesh['data'=2,'expert'=4] {'data','expert'}"), 99) == 8
-    assert hlo.group_size(op("mesh['ep'=8] {'ep'}"), 99) == 8
-    assert hlo.group_size(op("[2,4]<=[8]"), 99) == 4
-    assert hlo.group_size(op("{{0,1,2,3,4,5,6,7}}"), 99) == 8
-    assert hlo.group_size(op("{}"), 99) == 99  # no groups: all partitions
+    assert costs.group_size(op("mesh['data'=2,'expert'=4] {'expert'}"), 99) == 4
+    assert costs.group_size(op("mesh['data'=2,'expert'=4] {'data'}"), 99) == 2
+    assert costs.group_size(op("mesh['data'=2,'expert'=4] {'data','expert'}"), 99) == 8
+    assert costs.group_size(op("mesh['ep'=8] {'ep'}"), 99) == 8
+    assert costs.group_size(op("[2,4]<=[8]"), 99) == 4
+    assert costs.group_size(op("{{0,1,2,3,4,5,6,7}}"), 99) == 8
+    assert costs.group_size(op("{}"), 99) == 99  # no groups: all partitions
 
 
 def test_infer_role() -> None:
@@ -189,7 +190,7 @@ def test_target_specs_match_the_roofline_table() -> None:
     from farskip_jax import targets
 
     for t in ("h200", "mi300x"):
-        assert targets.memory_bandwidth(t) == hlo.HARDWARE[t]["hbm_bw"]
+        assert targets.memory_bandwidth(t) == costs.HARDWARE[t]["hbm_bw"]
     assert targets.memory_bandwidth("mi300x") == 5.3e12
     assert targets.device_memory_size("mi300x") == 205822885888
     assert targets.device_memory_size("h200") == 151397597184
@@ -201,11 +202,11 @@ def test_in_place_update_of_a_donated_buffer_moves_only_its_updates() -> None:
     """A decode step writes one token per row into a 512 MiB cache: the scatter of an entry
     parameter (a donated buffer) costs its updates and indices, read and written; the same scatter
     of a computed buffer is still charged the whole buffer in and out."""
-    mod = hlo.parse_hlo((DATA / "in_place.hlo").read_text())
+    mod = hlo_parse.parse_hlo((DATA / "in_place.hlo").read_text())
     main = mod.computations[mod.entry]
     small = 64 * 512 * 4 + 64 * 2 * 4
-    assert hlo.instr_bytes(main, main.by_name["written"], mod) == 2 * small
-    assert hlo.instr_bytes(main, main.by_name["rewritten"], mod) == 2 * 64 * 4096 * 512 * 4 + small
+    assert costs.instr_bytes(main, main.by_name["written"], mod) == 2 * small
+    assert costs.instr_bytes(main, main.by_name["rewritten"], mod) == 2 * 64 * 4096 * 512 * 4 + small
 
 
 def test_timeline_window_ignores_hoisted_ops_and_the_teacher() -> None:
@@ -231,21 +232,21 @@ def test_loop_slices_are_priced_by_the_block_they_move() -> None:
     all operands, i.e. 72 MiB for the take and 136 MiB for the put, every trip. Outside the loop a
     dynamic-update-slice of a computed buffer is still charged in full."""
     text = (DATA / "loop_slices.hlo").read_text()
-    mod = hlo.parse_hlo(text)
-    an = hlo._Analyzer(mod, H200)
+    mod = hlo_parse.parse_hlo(text)
+    an = costs.CostModel(mod, H200)
     assert an.loop_computations == {"body", "cond"}
     body, main = mod.computations["body"], mod.computations[mod.entry]
     mib = 2**20
-    cost = {i.name: hlo.instr_bytes(body, i, mod, in_loop=True) for i in body.instrs
+    cost = {i.name: costs.instr_bytes(body, i, mod, in_loop=True) for i in body.instrs
             if i.opcode not in ("parameter", "get-tuple-element", "constant", "tuple")}
     assert cost["take"] == 8 * mib + 4 + 8 * mib  # read the block (and the index), write it
     assert cost["put"] == 4 + 8 * mib + 8 * mib  # read the update (and the index), write it in place
     assert cost["row"] == 2 * mib + 12 and cost["put_row"] == 2 * mib + 12 and cost["next"] == 12
     # the same ops priced as outside a loop (whole buffers in and out), as before
-    assert hlo.instr_bytes(body, body.by_name["put"], mod) == 64 * mib + 64 * mib + 8 * mib + 4
-    assert hlo.instr_bytes(main, main.by_name["entry_put"], mod) == 136 * mib + 4
+    assert costs.instr_bytes(body, body.by_name["put"], mod) == 64 * mib + 64 * mib + 8 * mib + 4
+    assert costs.instr_bytes(main, main.by_name["entry_put"], mod) == 136 * mib + 4
     # a slice reads only what it returns, wherever it runs
-    assert hlo.instr_bytes(main, main.by_name["acc_block"], mod) == 16 * mib + 12
+    assert costs.instr_bytes(main, main.by_name["acc_block"], mod) == 16 * mib + 12
     trip = sum(cost.values()) + (4 + 4 + 1)  # the body, then the condition's compare
     entry = (16 * mib + 12) + 192 * mib + (136 * mib + 4)
     a = hlo.analyze(text, "h200")
@@ -257,9 +258,9 @@ def test_kernel_custom_calls_are_priced_by_their_flops_and_bytes() -> None:
     a 76 MiB workspace in its result), the grouped-matmul weight gradient (ragged contracting dim),
     and tokamax's mosaic_gpu_v2 kernels (a ragged_dot, a causal flash attention, its dk/dv VJP)."""
     text = (DATA / "kernels.hlo").read_text()
-    mod = hlo.parse_hlo(text)
+    mod = hlo_parse.parse_hlo(text)
     main = mod.computations[mod.entry]
-    flops = {i.name: hlo.dot_flops_by_kind(mod, main, i) for i in main.instrs}
+    flops = {i.name: costs.dot_flops_by_kind(mod, main, i) for i in main.instrs}
     assert flops["dynamic_slice_fusion"] == {"gemm": 2 * 1024 * 512 * 256}
     # each of the 8192 rows meets one group: 2 M K N, not G x that (the dense-dot formula's 8x)
     assert flops["dw"] == {"grouped_gemm": 2 * 8192 * 2048 * 1408}
@@ -268,14 +269,14 @@ def test_kernel_custom_calls_are_priced_by_their_flops_and_bytes() -> None:
     assert flops["tk_attn"] == {"attention_kernel": pytest.approx(causal_pairs * 2 * (128 + 128))}
     full = 2 * 2 * 4 * 1024 * 1024 * 128  # one q.k (or p.v) over every pair, non-causal
     assert flops["tk_dkv"] == {"attention_kernel": 2 * full + 2 * full}
-    assert [hlo.kernel_kind(main.by_name[n]) for n in ("dw", "tk_gemm", "tk_attn")] == [
+    assert [costs.kernel_kind(main.by_name[n]) for n in ("dw", "tk_gemm", "tk_attn")] == [
         "grouped_gemm", "grouped_gemm", "attention_kernel"]
     mib = 2**20
     # the GEMM reads half of x (its slice) and w, writes its f32 result; the workspace is scratch
-    assert hlo.instr_bytes(main, main.by_name["dynamic_slice_fusion"], mod) == mib + mib / 4 + mib
-    an = hlo._Analyzer(mod, H200, grouped_fill=0.125)
+    assert costs.instr_bytes(main, main.by_name["dynamic_slice_fusion"], mod) == mib + mib / 4 + mib
+    an = costs.CostModel(mod, H200, grouped_fill=0.125)
     dw_bytes = 8192 * 2048 * 2 + 8192 * 1408 * 2 + 64 + 8 * 2048 * 1408 * 2
-    assert hlo.instr_bytes(main, main.by_name["dw"], mod) == dw_bytes
+    assert costs.instr_bytes(main, main.by_name["dw"], mod) == dw_bytes
     # max(compute, memory), grouped GEMMs at the rows their groups fill
     assert an.op_time_us(main, main.by_name["dw"]) == pytest.approx(
         0.125 * max(2 * 8192 * 2048 * 1408 / H200["peak_flops"], dw_bytes / H200["hbm_bw"]) * 1e6)
@@ -292,10 +293,10 @@ def test_kernel_custom_calls_are_priced_by_their_flops_and_bytes() -> None:
 def test_static_dot_flops_weight_loop_bodies_by_their_trips() -> None:
     """nested_while.hlo: the entry's dot once, the body's dot on each of its 4 trips."""
     text = (DATA / "nested_while.hlo").read_text()
-    mod = hlo.parse_hlo(text)
-    an = hlo._Analyzer(mod, H200)
-    body = sum(hlo.instr_flops(mod, mod.computations["body"], i) for i in mod.computations["body"].instrs)
-    entry = sum(hlo.instr_flops(mod, mod.computations["main"], i) for i in mod.computations["main"].instrs)
+    mod = hlo_parse.parse_hlo(text)
+    an = costs.CostModel(mod, H200)
+    body = sum(costs.instr_flops(mod, mod.computations["body"], i) for i in mod.computations["body"].instrs)
+    entry = sum(costs.instr_flops(mod, mod.computations["main"], i) for i in mod.computations["main"].instrs)
     assert body > 0 and an.dot_flops()["static"] == entry + 4 * body
 
 
@@ -337,9 +338,9 @@ def test_partitioned_kernels_without_tokamax_payload_are_priced() -> None:
     the jax name path; a forward kernel (also one rematerialised in the backward program) reads q,
     k, v only, its VJP also the output cotangent and the residuals."""
     text = (DATA / "kernels_partitioned.hlo").read_text()
-    mod = hlo.parse_hlo(text)
+    mod = hlo_parse.parse_hlo(text)
     main = mod.computations[mod.entry]
-    flops = {i.name: hlo.dot_flops_by_kind(mod, main, i) for i in main.instrs}
+    flops = {i.name: costs.dot_flops_by_kind(mod, main, i) for i in main.instrs}
     pairs = 16 * 1024 * 1025 / 2  # causal, heads x T (T + 1) / 2
     qk, pv = 2 * pairs * 192, 2 * pairs * 128
     assert flops["fwd"] == flops["remat"] == {"attention_kernel": pytest.approx(qk + pv)}

@@ -1,4 +1,4 @@
-"""Synthetic PGLE profiles (farskip_jax/inspect/pgle.py): costing, XLA's acceptance, schedule change.
+"""Synthetic PGLE profiles (farskip_jax/xla/pgle.py): costing, XLA's acceptance, schedule change.
 
 The compile tests use a toy EP=8 MoE train step (forward + backward) in FarSkip and regular
 connectivity. H200 runs in the pytest process (default suite; the CUDA topology coexists with the
@@ -24,7 +24,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from farskip_jax.inspect import hlo, pgle
+from farskip_jax.inspect import hlo
+from farskip_jax.xla import costs, hlo_parse, pgle
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_CUDA = importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
@@ -93,7 +94,7 @@ def summarize(res: pgle.PgleCompile, target: str) -> dict[str, Any]:
                            "fingerprint": res.fingerprint}
     for name, art in (("base", res.baseline), ("pgle", res.artifacts)):
         a = hlo.analyze(art.hlo_text, target)
-        mod = hlo.parse_hlo(art.hlo_text)
+        mod = hlo_parse.parse_hlo(art.hlo_text)
         out[name] = {"a2a_hidden": a.totals["by_kind"]["all-to-all"]["hidden_frac"],
                      "all_hidden": a.totals["all"]["hidden_frac"], "step_us": a.totals["est_step_us"],
                      "a2a_count": a.totals["by_kind"]["all-to-all"]["count"],
@@ -105,7 +106,7 @@ def summarize(res: pgle.PgleCompile, target: str) -> dict[str, Any]:
 
 def rejected(fn: Any, specs: tuple[Any, ...], target: str, profile: Path) -> str:
     """Compile with ``profile`` under the strict checker; returns XLA's error text ('' = accepted)."""
-    from farskip_jax.inspect import aot
+    from farskip_jax.xla import aot
 
     opts = dict(pgle.STRICT_OPTIONS, **{pgle.PROFILE_OPTION: str(profile)})
     try:
@@ -194,7 +195,7 @@ def test_profile_costs_every_scheduled_instruction() -> None:
     costs = pgle.profile_costs(_ENTRY_HLO, "mi300x")
     # entry, while body and condition; not the async-wrapped computation; dones left out
     assert "all-to-all-done" not in costs and "all_to_all.3" not in costs and "param_0" not in costs
-    mod = hlo.parse_hlo(_ENTRY_HLO)
+    mod = hlo_parse.parse_hlo(_ENTRY_HLO)
     scheduled = {i.name for c in ("main", "body", "cond") for i in mod.computations[c].instrs}
     assert set(costs) == scheduled - {"all-to-all-done"}
     # all-to-all of 4 MiB in groups of 4 (read from the wrapped op, not the default 8 partitions):
@@ -235,7 +236,7 @@ def test_compile_refuses_targets_without_a_cost_model() -> None:
 def h200() -> dict[str, Any]:
     if not HAS_CUDA:
         pytest.skip("jax-cuda13-pjrt not installed")
-    from farskip_jax.inspect import aot
+    from farskip_jax.xla import aot
 
     mesh = aot.make_target_mesh("h200", {"x": 8})
     out = {}
@@ -293,7 +294,7 @@ def test_h200_profile_survives_rematerialization(h200: dict[str, Any], tmp_path:
     assert opts["xla_gpu_pgle_accuracy_checker"] == "PGLE_STRICTNESS_LEVEL_WARN"
     assert opts[pgle.PROFILE_OPTION] == res.profile_path and opts["xla_gpu_memory_limit_slop_factor"] == 0
     drop_most_expensive(res.profile_path, tmp_path / "drop.pbtxt")
-    from farskip_jax.inspect import aot
+    from farskip_jax.xla import aot
 
     with pytest.raises(Exception, match="missing instructions"):
         aot.compile_scheduled_hlo(fn, *specs, target="h200", compiler_options=dict(
@@ -305,11 +306,11 @@ def test_h200_profile_survives_rematerialization(h200: dict[str, Any], tmp_path:
 _ROCM_SCRIPT = r"""
 import json, sys
 from pathlib import Path
-from farskip_jax.inspect import rocm_standins
+from farskip_jax.xla import rocm_standins
 rocm_standins.enable()
 sys.path.insert(0, "tests/inspect")
 import test_pgle as t
-from farskip_jax.inspect import aot, pgle
+from farskip_jax.xla import aot, pgle
 mesh = aot.make_target_mesh("mi300x", {"x": 8})
 out = {}
 for mode in ("farskip", "regular"):
@@ -392,7 +393,7 @@ def test_grouped_gemm_priced_at_fill_and_ragged_exchange_at_rows_sent() -> None:
     assert balanced["custom-call.3"] == pytest.approx(gemm / 8)
     # what moves is the 1024 rows sent (4 MiB), not the 8192-row receive buffer; the same price in
     # the profile and in the overlap analysis
-    sent = hlo.transfer_time_us("ragged-all-to-all", 1024 * 2048 * 2, 8, hlo.HARDWARE["mi300x"])
+    sent = costs.transfer_time_us("ragged-all-to-all", 1024 * 2048 * 2, 8, costs.HARDWARE["mi300x"])
     assert full["ragged-all-to-all.1"] == pytest.approx(sent) == balanced["ragged-all-to-all.1"]
     (rec,) = hlo.analyze(_EP_HLO, "mi300x", grouped_fill=0.125).collectives
     assert rec.transfer_us == pytest.approx(sent)
@@ -427,7 +428,7 @@ _EP_ASYNC_HLO = "\n".join([
 
 
 def test_wrapped_ragged_exchange_priced_at_rows_sent() -> None:
-    sent = hlo.transfer_time_us("ragged-all-to-all", 1024 * 2048 * 2, 8, hlo.HARDWARE["mi300x"])
+    sent = costs.transfer_time_us("ragged-all-to-all", 1024 * 2048 * 2, 8, costs.HARDWARE["mi300x"])
     assert pgle.profile_costs(_EP_ASYNC_HLO, "mi300x")["ragged-start"] == pytest.approx(sent)
 
 
@@ -435,7 +436,7 @@ def test_balanced_fill_of_the_dsv2lite_buffers() -> None:
     import dataclasses
 
     from farskip_jax.config import load_config
-    from farskip_jax.inspect.steps import balanced_grouped_fill
+    from farskip_jax.model.dispatch import balanced_grouped_fill
 
     m = load_config("dsv2lite").model  # K=6 of 64 experts, moe_buffer_factor 2
     worst = dataclasses.replace(m, moe_buffer_factor=0.0)

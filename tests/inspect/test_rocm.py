@@ -27,10 +27,11 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = r"""
 import json, sys
 sys.path.insert(0, "tests/inspect")
-from farskip_jax.inspect import rocm_standins
+from farskip_jax.xla import rocm_standins
 rocm_standins.enable()
 import toy_programs
-from farskip_jax.inspect import aot, hlo
+from farskip_jax.xla import aot
+from farskip_jax.inspect import hlo
 mesh = aot.make_target_mesh("mi300x", {"x": 8})
 out = {"device_kind": mesh.devices.flat[0].device_kind}
 for name, lhs in (("no_lhs", False), ("lhs", True)):

@@ -206,7 +206,7 @@ _T = 1024  # reduced: 2 rows of 1024 tokens, 4 heads (the report's full-size num
 
 def _h200_mesh(n: int) -> jax.sharding.Mesh:
     pytest.importorskip("jax_plugins.xla_cuda13", reason="jax-cuda13-pjrt not installed")
-    from farskip_jax.inspect import aot
+    from farskip_jax.xla import aot
 
     return aot.make_target_mesh("h200", {"x": n})
 
@@ -214,7 +214,7 @@ def _h200_mesh(n: int) -> jax.sharding.Mesh:
 def _train_hlo(mesh: jax.sharding.Mesh, impl: str, b: int, h: int, g: int, kd: int, vd: int
                ) -> tuple[str, dict]:
     """Scheduled HLO and memory of jax.grad of a loss through attention_core (bf16, rows over x)."""
-    from farskip_jax.inspect import aot
+    from farskip_jax.xla import aot
 
     rows = NamedSharding(mesh, P("x"))
 
@@ -225,7 +225,7 @@ def _train_hlo(mesh: jax.sharding.Mesh, impl: str, b: int, h: int, g: int, kd: i
     specs = (spec((b, _T, h, kd)), spec((b, _T, g, kd)), spec((b, _T, g, vd)), spec((b, _T), jnp.int32),
              spec((b, _T, h, vd), jnp.float32))
     # The target as the default device while tracing (compile_scheduled_hlo does it too, once its
-    # inspect/aot.py change is in): attention `auto` reads it.
+    # xla/aot.py change is in): attention `auto` reads it.
     with jax.default_device(mesh.devices.flat[0]):
         art = aot.compile_scheduled_hlo(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), *specs, target="h200")
     return art.hlo_text, art.memory
@@ -269,7 +269,8 @@ def test_h200_tensor_parallel_prefill_compiles_with_the_kernel() -> None:
     config in bf16: every layer's attention is the Mosaic kernel."""
     gpus = _h200_mesh(2)
     from farskip_jax.config import load_config, parse_overrides
-    from farskip_jax.inspect import aot, steps
+    from farskip_jax.inspect import steps
+    from farskip_jax.xla import aot
 
     cfg = load_config("tiny", parse_overrides(["model.dtype=bfloat16", "model.num_layers=2"]))
     mesh = jax.sharding.Mesh(gpus.devices.reshape(1, 1, 2), ("data", "expert", "tensor"))
@@ -282,11 +283,11 @@ def test_h200_tensor_parallel_prefill_compiles_with_the_kernel() -> None:
 
 ROCM_SCRIPT = r"""
 import json, re, sys
-from farskip_jax.inspect import rocm_standins
+from farskip_jax.xla import rocm_standins
 rocm_standins.enable()
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
-from farskip_jax.inspect import aot
+from farskip_jax.xla import aot
 from farskip_jax.model.attention import attention_core
 T = 1024
 out = {}

@@ -253,7 +253,7 @@ def test_save_a2a_backward_runs_no_extra_all_to_all():
 def test_ragged_exchange_compiles_for_h200():
     """Deviceless H200 compile of one tiny EP=8 MoE layer, forward + backward: auto picks ragged."""
     pytest.importorskip("jax_plugins.xla_cuda13", reason="jax-cuda13-pjrt not installed")
-    from farskip_jax.inspect import aot
+    from farskip_jax.xla import aot
 
     mesh = aot.make_target_mesh("h200", {"data": 1, "expert": 8, "tensor": 1})
     assert resolve_exchange("auto", mesh) == "ragged"

@@ -13,9 +13,9 @@ import pytest
 
 from farskip_jax.config import load_config
 from farskip_jax.errors import UserError
-from farskip_jax.inspect import pgle
 from farskip_jax.train import scheduled_step
 from farskip_jax.train import trainer as trainer_mod
+from farskip_jax.xla import pgle
 
 STEPS = {"train.total_steps": 4, "train.warmup_steps": 1, "train.eval_every": 100,
          "train.checkpoint_every": 100}

@@ -25,7 +25,8 @@ import jax
 import numpy as np
 from jax.experimental import topologies
 
-from farskip_jax import platforms, targets, xla_flags
+from farskip_jax import platforms, targets
+from farskip_jax.xla import flags as xla_flags
 
 GPUS_PER_HOST = 8
 
@@ -72,7 +73,7 @@ def prepare_deviceless(target: str) -> None:
         return
     platforms.use_cpu_for_deviceless_compile()
     if target == "mi300x":
-        from farskip_jax.inspect import rocm_standins
+        from farskip_jax.xla import rocm_standins
 
         rocm_standins.enable()
 

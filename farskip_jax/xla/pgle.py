@@ -6,8 +6,8 @@ falls back to fixed "T-shirt" costs: any async collective 5000 units, a GEMM 100
 stops filling the window, whatever the real sizes are. A profile-guided latency estimator (PGLE)
 profile replaces those units with microseconds per instruction. XLA reads it from disk inside the
 scheduling pass, so it works in a deviceless compile; this module writes one from the same
-roofline + link model the inspector measures with (``hlo._Analyzer.op_time_us`` for compute,
-``hlo.transfer_time_us`` for collectives), so the scheduler and the report agree on what an op costs.
+roofline + link model the inspector measures with (``costs.CostModel.op_time_us`` for compute,
+``costs.transfer_time_us`` for collectives), so the scheduler and the report agree on what an op costs.
 
 How (``compile_with_synthetic_pgle``):
 
@@ -45,7 +45,7 @@ How (``compile_with_synthetic_pgle``):
 
 Caveats: the profile and the inspector's overlap measurement use the same roofline, so "PGLE hides
 more" means "the scheduler now agrees with the inspector", not a measured speed-up. Kernel launch
-overheads and elementwise FLOPs are not in the model (hlo.py), so small ops cost ~0 us. Any change
+overheads and elementwise FLOPs are not in the model (costs.py), so small ops cost ~0 us. Any change
 of flags, code, target spec or jax version renames fusions and changes the fingerprint: regenerate
 the profile for every compile (this module does; it never reuses one).
 
@@ -70,7 +70,7 @@ Replacing the synthetic profile with a measured one (real MI300X):
   Check a measured ROCm profile with the strict checker before trusting it; an empty one makes the
   estimator fall back to T-shirt units everywhere. Until collection works on the installed
   ROCm/jaxlib, this synthetic profile is the usable route; numbers from real-MI300X GEMM and RCCL
-  all-to-all microbenchmarks can replace the datasheet figures in ``hlo.HARDWARE["mi300x"]``.
+  all-to-all microbenchmarks can replace the datasheet figures in ``costs.HARDWARE["mi300x"]``.
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from farskip_jax.inspect import aot, hlo
-from farskip_jax.inspect.hlo_parse import Computation, HloModule, Instr, parse_hlo, shape_bytes
+from farskip_jax.xla import aot, costs
+from farskip_jax.xla.hlo_parse import Computation, HloModule, Instr, parse_hlo, shape_bytes
 
 # The first pass of XLA:GPU's "latency-hiding-scheduler" pipeline; its output is what the PGLE
 # accuracy checker and the scheduler see (xla/service/gpu/gpu_hlo_schedule.cc,
@@ -115,7 +115,7 @@ def _done_of(comp: Computation, mod: HloModule) -> dict[str, Instr]:
     """start name -> its done instruction (the done's shape is the collective's result)."""
     out = {}
     for ins in comp.instrs:
-        ck = hlo.collective_kind(mod, ins)
+        ck = costs.collective_kind(mod, ins)
         if ck is not None and ck[1] == "done" and ins.operands:
             out[ins.operands[0]] = ins
     return out
@@ -130,10 +130,10 @@ def _wrapped(mod: HloModule, ins: Instr) -> Instr | None:
 def instruction_cost_us(an: Any, comp: Computation, ins: Instr, done: Instr | None) -> float | None:
     """The PGLE cost of one scheduled instruction in microseconds; None = leave it out.
 
-    ``an`` is the inspector's cost model (``hlo._Analyzer``) for the module.
+    ``an`` is the inspector's cost model (``costs.CostModel``) for the module.
     """
     mod, hw = an.mod, an.hw
-    ck = hlo.collective_kind(mod, ins)
+    ck = costs.collective_kind(mod, ins)
     if ck is not None:
         kind, form = ck
         if form == "done":
@@ -141,15 +141,15 @@ def instruction_cost_us(an: Any, comp: Computation, ins: Instr, done: Instr | No
         carrier = _wrapped(mod, ins) if ins.opcode == "async-start" else ins
         carrier = carrier or ins
         # operands looked up on `ins`: a wrapped op's operands live in its async computation
-        nbytes = hlo.collective_bytes(comp, ins, done, kind)
-        n = hlo.group_size(carrier, mod.num_partitions)
-        return hlo.transfer_time_us(kind, nbytes, n, hw)
+        nbytes = costs.collective_bytes(comp, ins, done, kind)
+        n = costs.group_size(carrier, mod.num_partitions)
+        return costs.transfer_time_us(kind, nbytes, n, hw)
     if ins.opcode == "async-start":  # compute moved to another stream: its wrapped computation
         return sum(an.comp_time_us(c) for c in ins.called())
     if ins.opcode == "copy-start":  # async copy (memory spaces): read + write at HBM bandwidth
-        return hlo.instr_bytes(comp, ins) / hw["hbm_bw"] * 1e6
+        return costs.instr_bytes(comp, ins) / hw["hbm_bw"] * 1e6
     if ins.opcode in ("send", "recv"):  # one peer link, like a collective-permute
-        return hlo.transfer_time_us("collective-permute", shape_bytes(ins.shape), 2, hw)
+        return costs.transfer_time_us("collective-permute", shape_bytes(ins.shape), 2, hw)
     if ins.opcode in ("async-done", "copy-done", "send-done", "recv-done"):
         return None
     return an.op_time_us(comp, ins)
@@ -159,24 +159,24 @@ def profile_costs(hlo_text: str, target: str, grouped_fill: float = 1.0) -> dict
     """Cost in microseconds of every instruction the scheduler orders in ``hlo_text``.
 
     ``hlo_text`` is the module at scheduler entry (see ``scheduler_entry_hlo``); ``target`` keys
-    ``hlo.HARDWARE``. Computations: entry, while bodies/conditions, called and branch computations
-    (``hlo._Analyzer.scheduled_computations``, the inspector's own walk).
+    ``costs.HARDWARE``. Computations: entry, while bodies/conditions, called and branch computations
+    (``costs.CostModel.scheduled_computations``, the inspector's own walk).
     """
-    if target not in hlo.HARDWARE:
-        raise ValueError(f"unknown target {target!r}; known: {sorted(hlo.HARDWARE)}")
+    if target not in costs.HARDWARE:
+        raise ValueError(f"unknown target {target!r}; known: {sorted(costs.HARDWARE)}")
     mod = parse_hlo(hlo_text)
-    # hlo._Analyzer is the inspector's per-op cost model (roofline per op, while = trips x body);
+    # costs.CostModel is the inspector's per-op cost model (roofline per op, while = trips x body);
     # used as is so that the scheduler and the overlap report price every op identically.
-    an = hlo._Analyzer(mod, hlo.HARDWARE[target], grouped_fill)
-    costs: dict[str, float] = {}
+    an = costs.CostModel(mod, costs.HARDWARE[target], grouped_fill)
+    us_by_instr: dict[str, float] = {}
     for cname in an.scheduled_computations():
         comp = mod.computations[cname]
         dones = _done_of(comp, mod)
         for ins in comp.instrs:
             c = instruction_cost_us(an, comp, ins, dones.get(ins.name))
             if c is not None:
-                costs[ins.name] = c
-    return costs
+                us_by_instr[ins.name] = c
+    return us_by_instr
 
 
 def profile_text(costs: dict[str, float], comment: str = "") -> str:
@@ -197,7 +197,7 @@ def write_profile(hlo_text: str, target: str, directory: str | Path | None = Non
     d = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix="farskip_pgle_"))
     d.mkdir(parents=True, exist_ok=True)
     name = parse_hlo(hlo_text).name
-    comment = (f"synthetic PGLE profile (farskip_jax.inspect.pgle), target {target}, module {name}\n"
+    comment = (f"synthetic PGLE profile (farskip_jax.xla.pgle), target {target}, module {name}\n"
                f"fingerprint_before_lhs {fingerprint}, {len(costs)} instructions, roofline + link model, "
                f"grouped GEMMs at {grouped_fill:.4g} of their static rows")
     path = d / f"{fingerprint}.pbtxt"
@@ -249,8 +249,8 @@ def compile_with_synthetic_pgle(jitted_fn: Any, *arg_specs: Any, target: str,
     baseline), then with a synthetic PGLE profile of it and the strict accuracy checker.
 
     Options are those of ``aot.compile_scheduled_hlo`` (``default_options`` adds the target's flag
-    table; ``compiler_options`` wins). ``cost_target`` names the ``hlo.HARDWARE`` entry that prices
-    the profile (default: ``target``) and ``grouped_fill`` its grouped GEMMs (``hlo._Analyzer``);
+    table; ``compiler_options`` wins). ``cost_target`` names the ``costs.HARDWARE`` entry that prices
+    the profile (default: ``target``) and ``grouped_fill`` its grouped GEMMs (``costs.CostModel``);
     with ``target="local"`` on a real GPU host it must be given
     (e.g. "mi300x"), and so must ``compiler_options=xla_flags.compiler_options_for("mi300x")`` or
     equivalent XLA_FLAGS, since the dump compile needs the latency-hiding scheduler on (not

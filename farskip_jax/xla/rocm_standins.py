@@ -26,7 +26,7 @@ symbols without a version); what none of them defines goes to a ROCm library by 
 
 Fragile: the patched function is private. Use: ``enable()`` before JAX touches any backend (it
 restricts JAX to ``cpu`` itself, see farskip_jax/platforms.py); ``python -m
-farskip_jax.inspect.rocm_standins build`` prebuilds the cache and prints the manifest.
+farskip_jax.xla.rocm_standins build`` prebuilds the cache and prints the manifest.
 """
 
 from __future__ import annotations
@@ -294,7 +294,7 @@ def enable() -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m farskip_jax.inspect.rocm_standins", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m farskip_jax.xla.rocm_standins", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build (or reuse) the stand-in libraries and print their manifest")
