@@ -112,8 +112,7 @@ def device_worker(target: str, matmul: str, grouped_gemm: bool, tokens: int) -> 
     from farskip_jax.config import ModelConfig
     from farskip_jax.inspect import hlo
     from farskip_jax.model.moe import MoE
-    from farskip_jax.parallel import ExpertParallel
-    from farskip_jax.parallel.collectives import resolve_exchange
+    from farskip_jax.parallel import ExpertParallel, resolve_exchange
     from farskip_jax.parallel.mesh import BATCH_AXES
     from farskip_jax.xla import aot, costs, hlo_parse
     from farskip_jax.xla import flags as xla_flags

@@ -5,7 +5,7 @@ R rows of an expert-sorted buffer, G groups (the experts a grouped GEMM runs), C
 of the padded buffer, S sequences.
 
 One implementation for every path (one device here, expert and tensor parallel in
-farskip_jax.parallel.collectives):
+farskip_jax.parallel.expert and farskip_jax.parallel.tensor):
   1. `drop_over_capacity`: with capacity_factor > 0, each (sequence, expert) keeps its
      highest-router-weight assignments; dropped ones get the sentinel id E.
   2. `sort_by_group`: stable argsort of the assignments by expert id; group boundaries come from
@@ -18,6 +18,7 @@ counted in none, so the same code skips them everywhere.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, Literal, NamedTuple
@@ -26,12 +27,13 @@ import jax
 import jax.numpy as jnp
 
 from farskip_jax.config import ModelConfig
+from farskip_jax.model import schedule
 from farskip_jax.model.grouped_matmul import blocked_matmul, tokamax_ragged_dot
 
 ExpertMatmul = Literal["ragged", "tokamax", "padded", "blocked"]
 DeviceFamily = Literal["cpu", "cuda", "rocm"]
 
-# checkpoint_name tags of the expert-parallel all-to-all outputs (parallel/collectives.py);
+# checkpoint_name tags of the expert-parallel all-to-all outputs (parallel/expert.py);
 # remat="save_a2a" (model/transformer.py) saves exactly these.
 A2A_COUNTS, A2A_DISPATCH, A2A_COMBINE = "a2a_counts", "a2a_dispatch", "a2a_combine"
 A2A_NAMES = (A2A_COUNTS, A2A_DISPATCH, A2A_COMBINE)
@@ -106,6 +108,12 @@ def moe_buffer(cfg: ModelConfig, tokens: int, ranks: int, seq_len: int, sources:
         return MoeBuffer(worst, worst, balanced)
     bound = 8 * math.ceil(math.ceil(cfg.moe_buffer_factor * balanced) / 8)
     return MoeBuffer(min(worst, bound), worst, balanced)
+
+
+def buffer_config(cfg: ModelConfig, bounded: bool) -> ModelConfig:
+    """`cfg` as a parallel strategy sizes its routed-expert buffers: its own `moe_buffer_factor`
+    (bounded), or the worst case (the program an overflowed call is re-run with)."""
+    return cfg if bounded or cfg.moe_buffer_factor == 0 else dataclasses.replace(cfg, moe_buffer_factor=0.0)
 
 
 def balanced_grouped_fill(cfg: ModelConfig, mesh: dict[str, int], expert_parallel: bool, tokens: int,
@@ -203,29 +211,14 @@ def sort_by_group(ids_a: jax.Array, num_groups: int) -> Sorted:
     return Sorted(order, inv, group_starts(ids_a[order], num_groups))
 
 
-def fresh_zeros(rows: int, like: jax.Array, dep: jax.Array) -> jax.Array:
-    """A zero [rows, D] buffer (D and dtype of `like`) that XLA computes where it is used.
-
-    `dep` is any integer array whose first element is never negative; the buffer is a broadcast
-    of a 0 read from it. Why: the grouped GEMM's and the exchanges' buffers are filled in place
-    (scatters, ragged all-to-alls), and XLA merged every constant zero buffer of a step into one,
-    then materialised one copy per in-place user at the first use, all alive together (DSV2-Lite
-    FCSD, 4 x 4096 tokens per H200: 12 x 4 GiB padded-GEMM and 18 x 3 GiB receive buffers, 102 of
-    the 103 GiB of temporary memory). A zero computed from data can neither be merged with the
-    others nor computed before its data exists.
-    """
-    zero = jnp.where(jnp.ravel(dep)[0] < 0, 1, 0).astype(like.dtype)
-    return jnp.broadcast_to(zero, (rows, like.shape[-1]))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def place_rows(x_rd: jax.Array, slot_r: jax.Array, slots: int) -> jax.Array:
     """[slots, D]: row r of x at slot_r[r], zeros elsewhere; slots >= `slots` are dropped.
 
     The valid slots must be unique. Transpose of `take_rows` (a custom VJP pair, so that neither
-    direction builds a constant zero buffer; see `fresh_zeros`).
+    direction builds a constant zero buffer; see `schedule.fresh_zeros`).
     """
-    return fresh_zeros(slots, x_rd, slot_r).at[slot_r].set(x_rd, mode="drop", unique_indices=True)
+    return schedule.fresh_zeros(slots, x_rd, slot_r).at[slot_r].set(x_rd, mode="drop", unique_indices=True)
 
 
 def _place_rows_fwd(x_rd: jax.Array, slot_r: jax.Array, slots: int) -> tuple[jax.Array, jax.Array]:

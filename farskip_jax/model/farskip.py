@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 
 from farskip_jax.config import ModelConfig
+from farskip_jax.model import schedule
 
 
 class Connectivity(NamedTuple):
@@ -58,7 +59,13 @@ class Connectivity(NamedTuple):
     mlp_stale: bool  # the FFN reads x: it need not wait for this layer's attention
     stale_blocks: int = 1  # 2: the experimental two-sub-block ladder (module docstring)
     # Under tensor parallelism, order the sub-blocks with optimization barriers so that each psum
-    # has the compute it may overlap scheduled under it (`_after`; ModelConfig.tp_order_barriers).
+    # has the compute it may overlap scheduled under it (`schedule.join`; ModelConfig.tp_order_barriers).
+    # Why: XLA's latency-hiding scheduler estimates a psum at a fraction of its transfer time (on
+    # H200 it puts ~20 us of compute under a 16 MiB psum that the link model puts at 70 us) and
+    # keeps one collective in flight, so left alone it starts each psum just before its reader
+    # and interleaves the sub-blocks of neighbouring layers. Joining the two values a sub-block
+    # reads fixes the order. Both joined outputs are used on purpose: with only one of them
+    # used, the same barrier measured worse (the psums still bunch up).
     tp_ordered: bool = False
 
 
@@ -112,26 +119,6 @@ def parallel_block_state(x: jax.Array, conn: Connectivity) -> jax.Array | Ladder
     return Ladder(x, x) if conn.stale_blocks == 2 else x
 
 
-def _join(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(a, b), both available only once both are computed: an XLA optimization barrier, which
-    constrains the schedule and leaves the numbers unchanged.
-
-    Why (tensor-parallel inference): XLA's latency-hiding scheduler estimates a psum at a fraction
-    of its transfer time (on H200 it puts ~20 us of compute under a 16 MiB psum that the link
-    model puts at 70 us) and keeps one collective in flight, so left alone it starts each psum
-    just before its reader and interleaves the sub-blocks of neighbouring layers. Joining the two
-    values a sub-block reads fixes the order: the collective still in flight then has the other
-    sub-block scheduled under it. Both outputs are used on purpose: with only one of them used,
-    the same barrier measured worse (the schedule then still lets the psums bunch up).
-    """
-    return jax.lax.optimization_barrier((a, b))
-
-
-def _after(value: jax.Array, dep: jax.Array) -> jax.Array:
-    """`value`, available only once `dep` is computed (`_join`, keeping only the first output)."""
-    return _join(value, dep)[0]
-
-
 def residual_step(x: jax.Array, y: Stale, conn: Connectivity, is_moe: bool, attn: AttnFn,
                   ffn: FFNFn, reduce: ReduceFn | None = None
                   ) -> tuple[jax.Array, Stale, dict[str, jax.Array]]:
@@ -157,7 +144,7 @@ def residual_step(x: jax.Array, y: Stale, conn: Connectivity, is_moe: bool, attn
             # The next layer's attention (it reads x) and MoE (h) after this MoE, so that each
             # psum has the next sub-blocks under it; XLA otherwise runs two layers' MoEs at once
             # and the attention of layer k+2 early, both of which wait for psum(S + R).
-            x, h, f = jax.lax.optimization_barrier((x, h, f))
+            x, h, f = schedule.join(x, h, f)
         return h + reduce(f, "tp_psum_ffn"), (Ladder(x, h) if is_moe else None), out.aux
     if reduce is None:
         h = x + a
@@ -171,7 +158,7 @@ def residual_step(x: jax.Array, y: Stale, conn: Connectivity, is_moe: bool, attn
             # psum follow this attention, which then runs under that psum (a parallel block,
             # y None, has no such psum). The order is [attention || routed psum k-1], then
             # [MoE || A + S psum], then [next attention || routed psum k].
-            x, a = _join(x, a)
+            x, a = schedule.join(x, a)
         out = ffn(x)
         if two_streams:
             y_new = x + reduce(_plus(a, out.shared), "tp_psum_attn_shared")
@@ -212,7 +199,7 @@ def residual_step_chunks(xs: Sequence[jax.Array], ys: Sequence[Stale], conn: Con
     attn_done: list[jax.Array] = []  # batch chunks: the attention outputs so far
 
     def chained_ffn(h: jax.Array) -> FFNOut:
-        out = ffn(_after(h, previous[-1]) if staggered and previous else h)
+        out = ffn(schedule.after(h, previous[-1]) if staggered and previous else h)
         previous.append(out.main)
         return out
 
@@ -223,7 +210,7 @@ def residual_step_chunks(xs: Sequence[jax.Array], ys: Sequence[Stale], conn: Con
     else:
         def chained(attn_c: AttnFn) -> AttnFn:
             def run(h: jax.Array) -> jax.Array:
-                attn_done.append(attn_c(_after(h, attn_done[-1]) if staggered and attn_done else h))
+                attn_done.append(attn_c(schedule.after(h, attn_done[-1]) if staggered and attn_done else h))
                 return attn_done[-1]
             return run
         chunk_attns = [chained(f) for f in attn]
@@ -234,7 +221,7 @@ def residual_step_chunks(xs: Sequence[jax.Array], ys: Sequence[Stale], conn: Con
             results.append(residual_step(x, y, conn, is_moe, attn_c, chained_ffn, reduce))
     xs_new = [r[0] for r in results]
     if staggered:
-        xs_new[0] = _after(xs_new[0], previous[-1])
+        xs_new[0] = schedule.after(xs_new[0], previous[-1])
     # Means, except the overflow flags, which are counted (any chunk's overflow voids the result).
     aux = {k: sum(r[2][k] for r in results) / (1 if k == "moe_overflow" else len(results))
            for k in results[0][2]}

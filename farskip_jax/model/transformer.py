@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from farskip_jax.config import ModelConfig
+from farskip_jax.model import schedule
 from farskip_jax.model.attention import LatentCache, MLAttention
 from farskip_jax.model.dispatch import A2A_COUNTS, A2A_NAMES
 from farskip_jax.model.farskip import (
@@ -195,7 +196,7 @@ class Transformer(nnx.Module):
                 raise ValueError(f"model.tp_microbatches={chunks} does not divide {t} tokens per sequence")
             # Materialised apart (a barrier): XLA would otherwise fuse the slice that starts chunk 1
             # into the residual add after chunk 0's first psum, making chunk 1 wait for that psum.
-            x, y = list(jax.lax.optimization_barrier(jnp.split(x, chunks, axis=1))), [None] * chunks
+            x, y = list(schedule.join(*jnp.split(x, chunks, axis=1))), [None] * chunks
             join = _concat
         # Batch chunks (single device, expert parallelism): whole sequences, positions and segments
         # with them; each device's sequences are split, so a chunk stays on its devices.
@@ -293,7 +294,7 @@ def run_streams(streams: list[Generator[Any, Any, ModelOutput]], join: bool = Tr
     states = [step(k, first=True) for k in range(len(streams))]
     while True:
         if join and len(states) > 1:
-            states = list(jax.lax.optimization_barrier(states))
+            states = list(schedule.join(*states))
         moved = []
         for k, st in enumerate(states):
             try:

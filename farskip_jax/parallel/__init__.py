@@ -1,23 +1,21 @@
-"""Mesh, parameter shardings and the collectives (EP all-to-all, TP psum)."""
+"""Mesh and parameter shardings (mesh.py), expert parallelism (expert.py: Dispatch, grouped GEMM,
+Combine), tensor parallelism (tensor.py: psums) and the sharded forwards built on them (forward.py).
+The scheduling hints both use are `farskip_jax.model.schedule`'s."""
 
-from farskip_jax.parallel.collectives import (
-    ExpertParallel,
-    TensorParallel,
-    ep_forward,
-    place,
-    tp_cached_forward,
-    tp_forward,
-)
+from farskip_jax.parallel.expert import ExpertParallel, resolve_exchange
+from farskip_jax.parallel.forward import ep_forward, tp_cached_forward, tp_forward
 from farskip_jax.parallel.mesh import (
-                                       BATCH_AXES,
-                                       batch_sharding,
-                                       make_mesh,
-                                       param_shardings,
-                                       param_specs_tree,
-                                       partition_spec,
-                                       replicate_kv_heads,
+    BATCH_AXES,
+    batch_sharding,
+    make_mesh,
+    param_shardings,
+    param_specs_tree,
+    partition_spec,
+    place,
+    replicate_kv_heads,
 )
+from farskip_jax.parallel.tensor import TensorParallel
 
 __all__ = ["BATCH_AXES", "ExpertParallel", "TensorParallel", "batch_sharding", "ep_forward", "make_mesh",
            "param_shardings", "param_specs_tree", "partition_spec", "place", "replicate_kv_heads",
-           "tp_cached_forward", "tp_forward"]
+           "resolve_exchange", "tp_cached_forward", "tp_forward"]

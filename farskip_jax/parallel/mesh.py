@@ -157,3 +157,23 @@ def _key(k: Any) -> Any:
         if hasattr(k, attr):
             return getattr(k, attr)
     return k
+
+
+def place(state: Any, mesh: Mesh, layout: str) -> Any:
+    """Puts every parameter of `state` on `mesh` with its layout's sharding (TP: GQA key/value heads
+    copied first where the ranks outnumber them, `replicate_kv_heads`)."""
+    if layout == "tp":
+        state = replicate_kv_heads(state, mesh.shape["tensor"])
+    specs = param_specs_tree(state, layout)
+    return jax.tree.map(lambda x, s: put(x, NamedSharding(mesh, s)), state, specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def put(x: Any, sharding: NamedSharding) -> jax.Array:
+    """`x` in `sharding`. A value this process holds whole (numpy, or an array on its own devices)
+    going onto a mesh that spans processes is sliced here into this process's shards: a multi-process
+    run loads every parameter on every process, and backends move no data between hosts in device_put."""
+    if sharding.is_fully_addressable or not getattr(x, "is_fully_addressable", True):
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])

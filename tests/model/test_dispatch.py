@@ -221,18 +221,3 @@ def test_place_and_take_rows_match_plain_indexing():
     np.testing.assert_array_equal(grad, ref_grad)
     assert int((jnp.abs(grad).sum(axis=1) > 0).sum()) == 9  # exactly the placed slots get gradient
 
-
-def test_fresh_zeros_are_zero_and_not_one_constant():
-    """Zeros read from data: two buffers from different data stay two instructions for XLA."""
-    dep_a, dep_b = jnp.arange(3, dtype=jnp.int32), jnp.arange(1, 4, dtype=jnp.int32)
-    like = jnp.ones((1, 4), jnp.bfloat16)
-
-    def two(a, b):
-        return dispatch.fresh_zeros(8, like, a).at[0].set(1), dispatch.fresh_zeros(8, like, b).at[1].set(2)
-
-    za, zb = jax.jit(two)(dep_a, dep_b)
-    assert za.dtype == jnp.bfloat16 and float(jnp.abs(za).sum()) == 4.0 and float(jnp.abs(zb).sum()) == 8.0
-    # the broadcast reads a computed scalar, not a literal 0 (which XLA would merge across a step)
-    jaxpr = jax.make_jaxpr(lambda a: dispatch.fresh_zeros(8, like, a))(dep_a).jaxpr
-    bcast = [eq for eq in jaxpr.eqns if eq.primitive.name == "broadcast_in_dim"]
-    assert bcast and all(type(v).__name__ != "Literal" for eq in bcast for v in eq.invars)

@@ -18,6 +18,8 @@ tiny (4 layers: dense, then MoE 1..3; under FarSkip layer 1 is a parallel block)
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -28,6 +30,7 @@ from farskip_jax.config import MeshConfig
 from farskip_jax.inspect.deps import DepGraph, build_graph, scope_regex
 from farskip_jax.model.farskip import residual_step
 from farskip_jax.parallel import batch_sharding, ep_forward, make_mesh, param_shardings, tp_forward
+from farskip_jax.xla.hlo_parse import parse_hlo
 
 B, T = 8, 16
 MOE_LAYERS = (1, 2, 3)
@@ -133,3 +136,38 @@ def test_tp_all_reduce_combiner_merges_the_psums():
               if g.select(scope_regex(2, "tp_psum_attn_shared"), opcode="all-reduce") >= {n}]
     print(f"PARALLEL_DEPS tp farskip default CPU passes: layer 2 psums merged into {merged}")
     assert merged and tp_attention_reads_routed_psum(g, 3) > 0
+
+
+def test_ep_combine_waits_for_the_shared_experts() -> None:
+    """The production use of `model.schedule.after_by_data`: in every MoE layer of a tiny FarSkip
+    model's EP=8 forward (deviceless H200: ragged exchange), the Combine's ragged all-to-all depends
+    on the shared experts' output, so they cannot be scheduled under it, while the Dispatch's does
+    not (the shared experts are what runs under the Dispatch). The ragged all-to-alls carry no
+    op_name; the inspector's analysis names them from their neighbours (`hlo._nameless_role`)."""
+    from farskip_jax.inspect import hlo
+    from farskip_jax.xla import aot
+
+    pytest.importorskip("jax_plugins.xla_cuda13", reason="jax-cuda13-pjrt not installed")
+    mesh = aot.make_target_mesh("h200", {"data": 1, "expert": 8, "tensor": 1})
+    graphdef, state = split(tiny(True))
+    f = ep_forward(graphdef, mesh)
+    ids = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=batch_sharding(mesh))
+    args = (_abstract(state, param_shardings(state, mesh, "ep")), ids)
+    art = aot.compile_scheduled_hlo(jax.jit(lambda s, i: f(s, i).logits), *args, target="h200")
+    g = build_graph(art.hlo_text)
+    exchanges = [r for r in hlo.analyze(art.hlo_text, "h200").collectives if r.kind == "ragged-all-to-all"]
+    # The shared experts by each instruction's own op_name: a fusion's called computation may be
+    # shared with an identical fusion elsewhere (XLA deduplicates them), so its inner names are not
+    # necessarily this instruction's.
+    entry = parse_hlo(art.hlo_text)
+    entry = entry.computations[entry.entry].instrs
+    for k in MOE_LAYERS:
+        combine = {r.name for r in exchanges if r.layer == k and r.role == "combine"}
+        dispatch = {r.name for r in exchanges if r.layer == k and r.role == "dispatch"}
+        shared = {i.name for i in entry if re.search(scope_regex(k, "shared"), i.op_name)}
+        # its output: the shared ops no other shared op reads (XLA's dot merger may compute the
+        # first shared GEMM together with the router's, which the Dispatch does read)
+        shared = {n for n in shared if not g.reachable({n}, shared)}
+        assert combine and shared, f"layer {k}: combine or shared experts not found"
+        assert g.reachable(shared, combine), f"layer {k}: the Combine does not wait for the shared experts"
+        assert dispatch and not g.reachable(shared, dispatch), f"layer {k}: the Dispatch waits for them"

@@ -44,8 +44,15 @@ from par_common import (
 import farskip_jax
 from farskip_jax.config import MeshConfig
 from farskip_jax.model.moe import MoE, route
-from farskip_jax.parallel import ExpertParallel, batch_sharding, make_mesh, param_shardings, place, tp_forward
-from farskip_jax.parallel.collectives import resolve_exchange
+from farskip_jax.parallel import (
+    ExpertParallel,
+    batch_sharding,
+    make_mesh,
+    param_shardings,
+    place,
+    resolve_exchange,
+    tp_forward,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 from hf_tiny import build_hf, hf_logits, random_ids, tiny_hf_config  # noqa: E402

@@ -1,18 +1,18 @@
-"""Expert-parallel dispatch/combine and tensor-parallel psums: the only collectives.
+"""Expert parallelism (training): the routed experts' Dispatch, grouped GEMM and Combine.
 
-Both plug into the model through the `parallel=` argument (`routed_fn`, `reduce`); the layer
-recurrence (`farskip_jax.model.farskip.residual_step`) decides what waits for what.
+Plugs into the model through the `parallel=` argument (`routed_fn`, `routed_with_shared`); the
+layer recurrence (`farskip_jax.model.farskip.residual_step`) decides what waits for what, and the
+scheduling hints used here are `farskip_jax.model.schedule`'s (each with its contract and test).
 
-Expert parallelism (training): `shard_map`s wrap only the routed experts. Each shard sorts its
-own (token, choice) assignments by expert (model/dispatch.py), which also groups them by
-destination rank, sends the per-(destination, local expert) counts (a tiny all-to-all), then the
-rows (Dispatch), runs its local experts as one grouped matmul over rows regrouped by local
-expert, sends the results back (Combine) and sums them with the router weights. The shared
-experts run between the two shard_maps and the Combine waits for them, so they hide the Dispatch.
-Under FarSkip the Combine's result feeds only `x' = y' + R`, which the next layer's attention
-does not read: XLA may run the Combine under that attention. Shape legend as in
-model/dispatch.py, plus G expert-parallel ranks, L = E / G local experts, R receive rows (ragged
-exchange), B rows per source (padded exchange).
+`shard_map`s wrap only the routed experts. Each shard sorts its own (token, choice) assignments by
+expert (model/dispatch.py), which also groups them by destination rank, shares the per-(destination,
+local expert) counts (a tiny all_gather), then sends the rows (Dispatch), runs its local experts as
+one grouped matmul over rows regrouped by local expert, sends the results back (Combine) and sums
+them with the router weights. The shared experts run between the two shard_maps and the Combine
+waits for them, so they hide the Dispatch. Under FarSkip the Combine's result feeds only
+`x' = y' + R`, which the next layer's attention does not read: XLA may run the Combine under that
+attention. Shape legend as in model/dispatch.py, plus G expert-parallel ranks, L = E / G local
+experts, R receive rows (ragged exchange), B rows per source (padded exchange).
 
 The row exchange is `jax.lax.ragged_all_to_all` (only the routed rows move) into a receive buffer
 of R rows where the sources' rows lie packed in source order, or, where that does not exist
@@ -30,48 +30,42 @@ packed receive buffer, and whether any buffer would overflow. On an overflow not
 (the counts are taken as 0, so no rank writes past a buffer) and the shard reports it
 (`moe_overflow`); the caller discards that result and runs the worst-case program
 (`moe_buffer_factor` 0), so every result it keeps is exactly the dropless one.
-
-Tensor parallelism (inference): the whole forward runs inside one `shard_map` over `tensor`;
-attention heads, shared/dense MLP width and experts are split, partial sums meet in psums.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from farskip_jax.config import ModelConfig
+from farskip_jax.model import schedule
 from farskip_jax.model.dispatch import (
     A2A_COMBINE,
     A2A_COUNTS,
     A2A_DISPATCH,
     MoeBuffer,
+    buffer_config,
     device_family,
     drop_over_capacity,
-    fresh_zeros,
     grouped_ffn,
     moe_buffer,
     padded_ffn,
     resolve_matmul,
-    routed_experts,
     rows_per_expert,
     sort_by_group,
     take_rows,
     weighted_sum,
 )
 from farskip_jax.model.moe import RoutedExperts, Routing, SharedFn
-from farskip_jax.parallel.mesh import BATCH_AXES, check_tensor_layout, param_specs_tree, replicate_kv_heads
+from farskip_jax.parallel.mesh import BATCH_AXES
 
 
 def resolve_exchange(mode: str, mesh: Mesh) -> str:
@@ -81,12 +75,6 @@ def resolve_exchange(mode: str, mesh: Mesh) -> str:
     if mode not in ("ragged", "padded"):
         raise ValueError(f"ep_exchange={mode!r}: expected 'auto', 'ragged' or 'padded'")
     return mode
-
-
-def buffer_config(cfg: ModelConfig, bounded: bool) -> ModelConfig:
-    """`cfg` as a parallel strategy sizes its routed-expert buffers: its own `moe_buffer_factor`
-    (bounded), or the worst case (the program an overflowed call is re-run with)."""
-    return cfg if bounded or cfg.moe_buffer_factor == 0 else dataclasses.replace(cfg, moe_buffer_factor=0.0)
 
 
 @dataclass(frozen=True)
@@ -121,9 +109,9 @@ class ExpertParallel:
 
         Left alone, XLA's scheduler puts every independent op under the Combine: on the 4-layer
         DSV2-Lite H200 step the forward Dispatch had 60 us of compute under a 200 us transfer and
-        the Combine 738 us. The wait is a data dependency (`_EPShard.combine`): an optimization
-        barrier would not do, XLA:GPU removes barriers before it schedules. Under FarSkip the
-        attention, which reads neither, is left to hide the Combine.
+        the Combine 738 us. The wait is a data dependency (`_EPShard.combine`,
+        `model.schedule.after_by_data`; tests/parallel/test_dependencies.py checks it). Under
+        FarSkip the attention, which reads neither, is left to hide the Combine.
 
         `moe_overflow` is [shards] int32 (1 where the shard's expert group overflowed its bounded
         buffers); the model sums it over layers, and a nonzero sum means the result is void.
@@ -208,8 +196,7 @@ def _expert_ffn(matmul: str, rows_per_group: int, recv_rd: jax.Array, rg: _Regro
     every MoE layer's worst-case [L, G*N, D] grouped-GEMM buffers alive at once (DSV2-Lite FCSD,
     4 x 4096 tokens per H200: 8 of them, 4 GiB each, at the peak). Here the input gradient is
     multiplied by a 1 computed from the weight gradients, so they are done before the backward
-    pass leaves the layer. The 1 is exact for finite gradients; a non-finite weight gradient
-    makes the input gradient non-finite too, and the step is skipped either way.
+    pass leaves the layer (`schedule.gated`).
     """
     return _expert_ffn_impl(matmul, rows_per_group, recv_rd, rg, w_gate, w_up, w_down)
 
@@ -223,9 +210,7 @@ def _expert_ffn_fwd(matmul: str, rows_per_group: int, recv_rd: jax.Array, rg: _R
 def _expert_ffn_bwd(matmul: str, rows_per_group: int, vjp: Any, ct: jax.Array) -> tuple[Any, ...]:
     del matmul, rows_per_group
     d_x, *d_w = vjp(ct)
-    # sum over whole gradients: a slice could be folded into the matmul and depend on less of it
-    one = jnp.sign(sum(jnp.sum(jnp.abs(g.astype(jnp.float32))) for g in d_w) + 1.0)
-    return (d_x * one.astype(d_x.dtype), None, *d_w)
+    return (schedule.gated(d_x, d_w), None, *d_w)
 
 
 _expert_ffn.defvjp(_expert_ffn_fwd, _expert_ffn_bwd)
@@ -274,7 +259,8 @@ def _ragged_move_fwd(x: jax.Array, out: jax.Array, plan: _Plan) -> tuple[jax.Arr
 def _ragged_move_bwd(res: tuple[_Plan, jax.Array], ct: jax.Array) -> tuple[jax.Array, None, None]:
     plan, x_rows = res
     # Rows of x that were not sent get a zero cotangent: nothing lands there in the transpose.
-    return _ragged_move(ct, fresh_zeros(x_rows.shape[0], ct, plan.send), plan.transposed()), None, None
+    zeros = schedule.fresh_zeros(x_rows.shape[0], ct, plan.send)
+    return _ragged_move(ct, zeros, plan.transposed()), None, None
 
 
 _ragged_move.defvjp(_ragged_move_fwd, _ragged_move_bwd)
@@ -381,7 +367,7 @@ class _EPShard:
         meta = srt.meta[0]
         with jax.named_scope("dispatch"):
             if self.exchange == "ragged":
-                recv_rd = _ragged_move(x_nd[srt.order_a // k], fresh_zeros(rows, x_nd, srt.ids_a),
+                recv_rd = _ragged_move(x_nd[srt.order_a // k], schedule.fresh_zeros(rows, x_nd, srt.ids_a),
                                        self._plan(srt, n))
             else:  # per-destination buffers: slot q of rank g holds sorted row send_start[g] + q
                 b = self.buffer(n).rows
@@ -417,7 +403,7 @@ class _EPShard:
         with jax.named_scope("combine"):
             if self.exchange == "ragged":
                 # Rows come back in this rank's sorted order: [N*K, D]; dropped ones stay unwritten.
-                out = fresh_zeros(n * k, back_rd, srt.inv_a).at[:1].set(after_nd[:1].astype(back_rd.dtype))
+                out = schedule.after_by_data(schedule.fresh_zeros(n * k, back_rd, srt.inv_a), after_nd)
                 out_rd = _ragged_move(back_rd, out, self._plan(srt, n).transposed())
                 out_rd = checkpoint_name(out_rd, A2A_COMBINE)
                 back_a = srt.inv_a
@@ -430,138 +416,3 @@ class _EPShard:
                 send_start_g = srt.starts_e[0, :-1:local]
                 back_a = jnp.where(valid_a, rank_a * b + srt.inv_a - send_start_g[rank_a], 0)
         return weighted_sum(out_rd[back_a].reshape(n, k, -1), valid_a.reshape(n, k), weights_nk)
-
-
-@dataclass(frozen=True)
-class TensorParallel:
-    """Inside a shard_map over `tensor`: local heads/experts, psum of partial outputs."""
-
-    axis: str = "tensor"
-    device: Any = None  # one of the mesh's devices: picks expert_matmul "auto" (None: jax.devices()[0])
-    mode: str = "psum"  # ModelConfig.tp_reduce: psum, or reduce_scatter (+ all-gather)
-    bounded: bool = True  # each rank's rows bounded by `moe_buffer` (as ExpertParallel.bounded)
-
-    def worst_case(self) -> TensorParallel:
-        return dataclasses.replace(self, bounded=False)
-
-    def reduce(self, v: jax.Array, name: str) -> jax.Array:
-        """The sum of the ranks' partial `v` [B, T, D], replicated; `name` scopes the collectives."""
-        with jax.named_scope(name):
-            if self.mode == "psum":
-                return jax.lax.psum(v, self.axis)
-            if self.mode != "reduce_scatter":
-                raise ValueError(f"model.tp_reduce={self.mode!r}: expected 'psum' or 'reduce_scatter'")
-            # Half a psum's traffic each. Only the residual add reads the gathered sum, so XLA is
-            # free to start the all-gather late, just before whatever next reads the sum.
-            ranks = jax.lax.axis_size(self.axis)
-            dim = 1 if v.shape[1] % ranks == 0 else v.ndim - 1  # tokens, else the model width
-            with jax.named_scope("reduce_scatter"):
-                part = jax.lax.psum_scatter(v, self.axis, scatter_dimension=dim, tiled=True)
-            with jax.named_scope("all_gather"):
-                return jax.lax.all_gather(part, self.axis, axis=dim, tiled=True)
-
-    def routed_fn(self, x_nd: jax.Array, routing: Routing, experts: RoutedExperts,
-                  cfg: ModelConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """This rank's experts only; the caller's reduce sums the ranks' partial outputs.
-
-        Tokens and routing are replicated over the axis, so every rank drops the same assignments,
-        the dropped fraction needs no collective, and every rank can count every rank's rows: the
-        overflow flag (any rank's share over its `moe_buffer` bound) is the same on all of them."""
-        local = experts.w_gate.shape[0]
-        ranks = cfg.n_routed_experts // local
-        rank = jax.lax.axis_index(self.axis)
-        ids_nk, dropped = drop_over_capacity(routing.experts_nk, routing.weights_nk, routing.seq_len, cfg)
-        buffer = moe_buffer(buffer_config(cfg, self.bounded), x_nd.shape[0], ranks, routing.seq_len)
-        per_rank = jnp.zeros(ranks + 1, jnp.int32).at[jnp.minimum(ids_nk // local, ranks)].add(1)[:ranks]
-        overflow = jnp.any(per_rank > buffer.rows).astype(jnp.int32)
-        ids_nk = ids_nk - rank * local
-        ids_nk = jnp.where((ids_nk >= 0) & (ids_nk < local), ids_nk, local)  # another rank's: skipped
-        with jax.named_scope("experts"):
-            routed = routed_experts(x_nd, ids_nk, routing.weights_nk, experts.w_gate[...], experts.w_up[...],
-                                    experts.w_down[...],
-                                    resolve_matmul(cfg.expert_matmul, self.device or jax.devices()[0],
-                                                   cfg.dtype),
-                                    rows_per_expert(x_nd.shape[0], routing.seq_len, cfg),
-                                    rows=buffer.rows if buffer.bounded else None)
-        return routed, {"dropped_fraction": dropped, "moe_overflow": overflow}
-
-
-# --------------------------------------------------------------------------------------------
-# Sharded forward functions over a model's (graphdef, state)
-
-
-def ep_forward(graphdef: nnx.GraphDef, mesh: Mesh, bounded: bool = True) -> Callable[..., Any]:
-    """`f(state, input_ids, positions, segment_ids) -> ModelOutput` with expert parallelism
-    (`bounded` as in ExpertParallel; the output's aux["moe_overflow"] says whether it is void)."""
-    par = ExpertParallel(mesh, bounded=bounded)
-
-    def f(state, input_ids, positions=None, segment_ids=None):
-        return nnx.merge(graphdef, state)(input_ids, positions, segment_ids, parallel=par)
-
-    return f
-
-
-def tp_forward(graphdef: nnx.GraphDef, state_like: Any, mesh: Mesh,
-               bounded: bool = True) -> Callable[..., Any]:
-    """`f(state, input_ids, positions, segment_ids) -> (logits, hidden, overflow)`: the inference TP
-    layout (with the model's `tp_reduce`; `tp_microbatches` is read by the model itself); overflow
-    as in `ModelOutput.aux["moe_overflow"]` (`bounded` as in TensorParallel)."""
-    check_tensor_layout(nnx.merge(graphdef, state_like).cfg, mesh.shape["tensor"])
-    specs = param_specs_tree(state_like, "tp")
-
-    def body(state, input_ids, positions, segment_ids):
-        model = nnx.merge(graphdef, state)
-        par = TensorParallel(device=mesh.devices.flat[0], mode=model.cfg.tp_reduce, bounded=bounded)
-        out = model(input_ids, positions, segment_ids, parallel=par)
-        return out.logits, out.hidden, out.aux["moe_overflow"]
-
-    def f(state, input_ids, positions=None, segment_ids=None):
-        b, t = input_ids.shape
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        if segment_ids is None:
-            segment_ids = jnp.ones((b, t), jnp.int32)
-        return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(), P(), P()), out_specs=(P(), P(), P()),
-                             check_vma=False)(state, input_ids, positions, segment_ids)
-
-    return f
-
-
-def tp_cached_forward(graphdef: nnx.GraphDef, state_like: Any, mesh: Mesh, prefill: bool,
-                      bounded: bool = True) -> Callable[..., Any]:
-    """`f(state, input_ids, positions, caches) -> (hidden, caches, overflow)`: `Transformer.cached_forward` in
-    the inference TP layout. Heads and experts are split; MLA's latent caches are replicated (one
-    latent per token for all heads: every rank writes the same values into them), GQA's key/value
-    caches are split with their heads."""
-    cfg = nnx.merge(graphdef, state_like).cfg
-    check_tensor_layout(cfg, mesh.shape["tensor"])
-    specs = param_specs_tree(state_like, "tp")
-    caches = P(None, None, "tensor") if cfg.attention_kind == "gqa" else P()
-
-    def body(state, input_ids, positions, caches):
-        model = nnx.merge(graphdef, state)
-        par = TensorParallel(device=mesh.devices.flat[0], mode=model.cfg.tp_reduce, bounded=bounded)
-        return model.cached_forward(input_ids, positions, caches, prefill=prefill, parallel=par)
-
-    return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(), P(), caches), out_specs=(P(), caches, P()),
-                         check_vma=False)
-
-
-def place(state: Any, mesh: Mesh, layout: str) -> Any:
-    """Puts every parameter of `state` on `mesh` with its layout's sharding (TP: GQA key/value heads
-    copied first where the ranks outnumber them, `replicate_kv_heads`)."""
-    if layout == "tp":
-        state = replicate_kv_heads(state, mesh.shape["tensor"])
-    specs = param_specs_tree(state, layout)
-    return jax.tree.map(lambda x, s: put(x, NamedSharding(mesh, s)), state, specs,
-                        is_leaf=lambda x: isinstance(x, P))
-
-
-def put(x: Any, sharding: NamedSharding) -> jax.Array:
-    """`x` in `sharding`. A value this process holds whole (numpy, or an array on its own devices)
-    going onto a mesh that spans processes is sliced here into this process's shards: a multi-process
-    run loads every parameter on every process, and backends move no data between hosts in device_put."""
-    if sharding.is_fully_addressable or not getattr(x, "is_fully_addressable", True):
-        return jax.device_put(x, sharding)
-    host = np.asarray(x)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
