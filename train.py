@@ -6,7 +6,7 @@
   python train.py --config tiny_farskip --precompute-teacher cache/   # then --set train.teacher_cache=cache/
   python train.py --config tiny_farskip --help                        # also lists every config key
   python -m farskip_jax.launch --processes 2 --cpu-devices 4 -- train.py --config tiny_farskip ...
-                                                                      # multi-process (README "Multi-node")
+                                                     # multi-process (docs/gpus-and-multi-node.md)
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ program allows (BENCHMARKS.md F). `farskip_jax.xla.pgle` gives it per-instructio
 inspector's roofline and link model; here the trainer does the same for the step it runs: compile
 once to read the module the scheduler receives, price it, and compile again with that profile. The
 inspector's `--target mi300x` reports are of this schedule. Replacing it with a profile measured on
-the machine: `train.pgle=off` plus JAX's automatic PGLE (README "XLA flags").
+the machine: `train.pgle=off` plus JAX's automatic PGLE (docs/xla-flags.md).
 """
 
 from __future__ import annotations

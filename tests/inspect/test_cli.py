@@ -104,7 +104,7 @@ def test_fcsd_mode_compiles_the_trainers_step_with_its_teacher(tmp_path: Path) -
 def test_local_target_compiles_for_this_machines_devices(tmp_path: Path) -> None:
     """--target local: the real devices (8 host CPUs here) in a mesh with the model's Auto axes,
     compiled and analysed like a deviceless target (EP=8 on 2 processes runs the same code path:
-    README "Multi-node")."""
+    docs/gpus-and-multi-node.md)."""
     from farskip_jax.config import load_config, parse_overrides
     from farskip_jax.inspect import steps
 
