@@ -71,6 +71,82 @@ def test_fcsd_lowers_kl(reference):
     assert s["best_checkpoint"] is not None and s["steps"] == STEPS
 
 
+def _kl_of_the_first_batch(reference, student_farskip: bool) -> float:
+    """Mean KL(teacher || student) over the loss-masked tokens of the run's first batch, recomputed
+    outside the trainer: both models rebuilt from the config (the teacher regular, the student with
+    or without FarSkip) with the run's initial parameters, full logits, the KL in float64 numpy."""
+    from flax import nnx
+
+    from farskip_jax.model.transformer import build_model, with_farskip
+    from farskip_jax.train import batches
+
+    tr = reference["trainer"]
+    cfg = tr.cfg
+    host = batches.BatchStream(cfg, tr.program.batch_sharding, cfg.train.grad_accum_steps).next_host()
+    temperature = cfg.train.kl_temperature
+
+    def logits(farskip: bool, params) -> np.ndarray:
+        graph, _ = nnx.split(build_model(with_farskip(cfg.model, enabled=farskip)))
+        model = nnx.merge(graph, jax.tree.map(jax.numpy.asarray, params))
+        out = [model(host["input_ids"][a], host["positions"][a], host["segment_ids"][a]).logits
+               for a in range(host["input_ids"].shape[0])]  # gradient-accumulation micro-batches
+        return np.asarray(np.stack(out), np.float64) / temperature
+
+    def log_softmax(z: np.ndarray) -> np.ndarray:
+        z = z - z.max(axis=-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+    log_p = log_softmax(logits(False, reference["teacher0"]))
+    log_q = log_softmax(logits(student_farskip, reference["student0"]))
+    kl = (np.exp(log_p) * (log_p - log_q)).sum(axis=-1)
+    mask = host["loss_mask"].astype(np.float64)
+    return float((kl * mask).sum() / mask.sum())
+
+
+def test_fcsd_kl_is_the_teacher_to_farskip_student_kl(reference):
+    """The first step's logged KL is the KL between the regular teacher and the FarSkip student on
+    that batch: a trainer that trained a regular student (whose KL is only the bf16 rounding of the
+    teacher's weights), or scaled the KL wrongly (normalizer, a factor), fails here, where
+    `test_fcsd_lowers_kl` would pass. Tolerance 1e-2 relative: at init the tiny student's KL is
+    ~2e-6, the sum of per-token terms ~1e-3 in size that cancel, and the trainer sums them in fp32
+    (the recomputation is float64; measured 0.19% apart)."""
+    rows = [json.loads(x) for x in (reference["out"] / "metrics.jsonl").read_text().splitlines()]
+    logged = next(r["kl"] for r in rows if r["kind"] == "train" and r["step"] == 1)
+    expected = _kl_of_the_first_batch(reference, student_farskip=True)
+    regular = _kl_of_the_first_batch(reference, student_farskip=False)
+    print(f"KL step 1: logged {logged:.6g}, recomputed {expected:.6g}, a regular student's {regular:.3g}")
+    assert regular < expected / 10  # FarSkip is what the teacher disagrees with at the start
+    assert logged == pytest.approx(expected, rel=1e-2)
+
+
+LOSS_CURVES = Path(__file__).parent / "loss_curves"
+
+
+def test_fcsd_loss_curve_matches_the_stored_one(reference):
+    """The run's per-step loss against the curve stored in tests/train/loss_curves (the torchtitan
+    practice for integration runs): any change of what the step computes (the recurrence, the
+    routing, the KL, the optimizer, the data order) moves it. Tolerance: 1e-3 relative per step,
+    room for float reordering across CPUs and XLA builds; the run itself is bitwise repeatable.
+    A deliberate change of the numbers rewrites the curve:
+    FARSKIP_UPDATE_LOSS_CURVES=1 pytest tests/train/test_trainer.py -k loss_curve."""
+    losses = _train_losses(reference["out"])
+    path = LOSS_CURVES / "tiny_farskip_fcsd.json"
+    if os.environ.get("FARSKIP_UPDATE_LOSS_CURVES") == "1":
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps({
+            "what": "train loss per step of tests/train/test_trainer.py's reference run: "
+                    "configs/tiny_farskip.yaml with BASE and tests/train/conftest.py's tiny data, CPU",
+            "jax": jax.__version__,
+            "loss": {str(s): v for s, v in sorted(losses.items())}}, indent=1) + "\n")
+        pytest.skip(f"rewrote {path}")
+    stored = {int(s): v for s, v in json.loads(path.read_text())["loss"].items()}
+    assert sorted(losses) == sorted(stored), "logged steps differ from the stored curve's"
+    steps = sorted(stored)
+    np.testing.assert_allclose([losses[s] for s in steps], [stored[s] for s in steps], rtol=1e-3,
+                               err_msg=f"the loss curve moved from {path}; if that is intended, rewrite it "
+                                       "(see this test's docstring)")
+
+
 def test_fresh_run_into_a_checkpointed_directory_refuses_at_start(reference, cfg_for):
     """Without --resume, an output directory that holds checkpoints is an error before any step, not
     a failed save onto an existing step at the end of the run."""
