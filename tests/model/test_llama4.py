@@ -57,9 +57,14 @@ VARIANTS = {
                            num_key_value_heads=1, use_qk_norm=False, attention_chunk_size=None,
                            attn_temperature_tuning=False, tie_word_embeddings=True,
                            rope_parameters=dict(PLAIN_ROPE, rope_theta=10000.0)),
+    # the published Scout's llama3 scaling (factor 16, low = high frequency factor 1: no blended
+    # band) at the tiny model's original context of 16 positions
+    "scout_rope": dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                                        "original_max_position_embeddings": 16}),
 }
-MOE_LAYERS = {"step2_nope_chunk": [1, 3], "list_top2_tied": [0, 2, 3]}
-NOPE_LAYERS = {"step2_nope_chunk": (3,), "list_top2_tied": (0,)}
+MOE_LAYERS = {"step2_nope_chunk": [1, 3], "list_top2_tied": [0, 2, 3], "scout_rope": [1, 3]}
+NOPE_LAYERS = {"step2_nope_chunk": (3,), "list_top2_tied": (0,), "scout_rope": (3,)}
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -183,7 +188,7 @@ SCOUT_CONFIG_JSON = {  # meta-llama/Llama-4-Scout-17B-16E-Instruct's config.json
         "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(48)], "num_attention_heads": 40,
         "num_experts_per_tok": 1, "num_hidden_layers": 48, "num_key_value_heads": 8, "num_local_experts": 16,
         "rms_norm_eps": 1e-05,
-        "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+        "rope_scaling": {"factor": 16.0, "high_freq_factor": 1.0, "low_freq_factor": 1.0,
                          "original_max_position_embeddings": 8192, "rope_type": "llama3"},
         "rope_theta": 500000.0, "use_qk_norm": True, "vocab_size": 202048},
 }
