@@ -13,18 +13,24 @@ from farskip_jax.inspect.cli import PSUM_COMBINE_OPTION, run_inspect
 
 # DeepSeek-V2-Lite's widths (MLA, 64 experts top-6, shared experts, 1 dense layer first) with 3 layers,
 # a small vocabulary and no remat, so that two compiles take a minute or two on 2 cores while every
-# MoE layer keeps DSV2-Lite's compute/communication proportions. The EP exchange is the dense
-# all_to_all with capacity 1.25, the exchange these checks were written for: a dropless dense
-# exchange moves its worst-case buffer (EP = 8 x the routed rows), and with the ragged exchange
-# FarSkip and regular hide the same share on H200 (53% vs 56% measured), both open model questions.
+# MoE layer keeps DSV2-Lite's compute/communication proportions. REDUCED's EP exchange is the dense
+# all_to_all with capacity 1.25, the exchange the per-collective checks were written for (jaxlib
+# 0.10.2, before the bounded ragged exchange and the kernels); PRODUCTION is the path users run.
 REDUCED = ["model.num_layers=3", "model.vocab_size=8192", "model.remat=none", "model.ep_exchange=padded",
            "model.capacity_factor=1.25", "model.batch_split=1"]
+# The production path: the same 3-layer reduction with everything else as `train.py --config
+# dsv2lite_farskip` runs it (exactly dropless with the bounded ragged exchange, the grouped-GEMM and
+# attention kernels, batch split 2, remat save_a2a), 2 sequences per device so that the split runs.
+PRODUCTION = ["model.num_layers=3", "model.vocab_size=8192"]
 SEQ = 4096
 
 
 def _inspect(tmp_path_factory, mode: str) -> dict:
-    cfg = load_config("dsv2lite_farskip", parse_overrides(REDUCED))
-    if mode == "train":
+    cfg = load_config("dsv2lite_farskip", parse_overrides(PRODUCTION if mode == "production" else REDUCED))
+    if mode == "production":
+        build = steps.build_train_step(cfg, seqs_per_device=2, seq_len=SEQ)
+        mesh = {"data": 1, "expert": 8, "tensor": 1}
+    elif mode == "train":
         build = steps.build_train_step(cfg, seqs_per_device=1, seq_len=SEQ)
         mesh = {"data": 1, "expert": 8, "tensor": 1}
     elif mode == "prefill":
@@ -33,11 +39,16 @@ def _inspect(tmp_path_factory, mode: str) -> dict:
     else:
         build = steps.build_decode_step(cfg, batch=64, cache_len=1024)
         mesh = {"data": 1, "expert": 1, "tensor": 8}
-    options = [PSUM_COMBINE_OPTION] if mode != "train" else []
+    options = [PSUM_COMBINE_OPTION] if mode in ("prefill", "decode") else []
     args = argparse.Namespace(target="h200", mesh=mesh, modes="farskip,regular",
                               out=tmp_path_factory.mktemp(f"overlap_{mode}"), lhs_dump=False,
                               compiler_option=options, no_default_options=False, save_hlo=False)
     return run_inspect(args, build)
+
+
+@pytest.fixture(scope="module")
+def production_reports(tmp_path_factory):
+    return _inspect(tmp_path_factory, "production")
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +70,29 @@ def _kind(report: dict, kind: str) -> list[dict]:
     return [c for c in report["collectives"] if c["kind"] == kind]
 
 
+def test_production_step_farskip_exposes_less_exchange_time_than_regular(production_reports):
+    """FarSkip's claim on the step `train.py` runs, against regular connectivity with the same
+    execution (batch split, kernels, buffers): less exposed all-to-all time, no synchronous
+    exchange, more of all collective time hidden. Measured on jaxlib 0.12 (H200, deviceless): ragged
+    all-to-all exposed 764 us vs 1068 us (0.72x; hidden 76.2% vs 66.8%), all collectives 64.4% vs
+    55.1% hidden, regular has one synchronous exchange (a backward one). The bar, 0.85x, leaves
+    room for schedule noise of a compiler update and still fails if FarSkip's advantage halves.
+    What neither hides: with the batch split, each layer's first forward Dispatch (chunk 0's, 200
+    us of 201) runs with nothing under it in both."""
+    far, reg = production_reports["farskip"]["totals"], production_reports["regular"]["totals"]
+    f_x, r_x = far["by_kind"]["ragged-all-to-all"], reg["by_kind"]["ragged-all-to-all"]
+    print(f"OVERLAP production train ragged a2a exposed: farskip {f_x['sim_exposed_us']:.0f} us, regular "
+          f"{r_x['sim_exposed_us']:.0f} us; all hidden {far['all']['sim_hidden_frac']:.3f} vs "
+          f"{reg['all']['sim_hidden_frac']:.3f}")
+    assert f_x["count"] == r_x["count"] == 16, "2 MoE layers x 2 chunks x (Dispatch, Combine) x (fwd, bwd)"
+    assert f_x["sim_exposed_us"] < 0.85 * r_x["sim_exposed_us"]
+    assert f_x["sync"] == 0
+    assert far["all"]["sim_hidden_frac"] > reg["all"]["sim_hidden_frac"]
+
+
+# The padded exchange with capacity: per-collective checks of the exchange these tests were first
+# written for; slow since the production-path test above carries FarSkip's claim in the default suite.
+@pytest.mark.slow
 def test_farskip_all_to_alls_are_async_with_compute_between(train_reports):
     # the row exchanges (the counts exchanged before each Dispatch are a few hundred bytes)
     a2a = [c for c in _kind(train_reports["farskip"], "all-to-all") if c["bytes"] > 2**20]
@@ -78,6 +112,7 @@ def test_farskip_all_to_alls_are_async_with_compute_between(train_reports):
         assert c["is_async"] and c["compute_between_us"] > 0, c["name"]
 
 
+@pytest.mark.slow
 def test_farskip_hides_more_all_to_all_time_than_regular(train_reports):
     """The trainer's own step (ZeRO-1, outputs in the trainer's layouts). Every Combine but the last
     backward one is fully hidden in FarSkip; a forward Dispatch is covered only by its layer's router
