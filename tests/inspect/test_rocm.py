@@ -62,6 +62,37 @@ def test_mi300x_lhs_makes_collectives_async() -> None:
         assert is_async and between > 0.5
 
 
+def test_mi300x_production_train_step_farskip_exposes_less_than_regular(tmp_path: Path) -> None:
+    """FarSkip's claim on the MI300X target for the step `train.py` runs, from a clean environment:
+    the reduced DSV2-Lite step (3 layers, 8192-token vocabulary, 2 x 1024 tokens per device) with
+    the production execution (bounded ragged dropless exchange, hipBLASLt grouped GEMM, the
+    Pallas-Triton attention, batch split 2, save_a2a, the synthetic PGLE profile), FarSkip vs
+    regular with the same execution. Measured on jaxlib 0.12: ragged all-to-all exposed 136.8 vs
+    184.6 us (0.74x; hidden 84.2% vs 78.7%), FarSkip no synchronous exchange, regular two, all
+    collectives 56.4% vs 49.8% hidden. Bar 0.85x as on H200 (tests/inspect/test_model_overlap.py)."""
+    out = tmp_path / "insp"
+    env = {"HOME": os.environ.get("HOME", "/root"), "PATH": "/usr/bin:/bin"}
+    cmd = [sys.executable, "-m", "farskip_jax", "inspect", "--config", "dsv2lite_farskip",
+           "--set", "model.num_layers=3", "--set", "model.vocab_size=8192",
+           "--seqs-per-device", "2", "--seq-len", "1024", "--no-save-hlo", "--no-timeline",
+           "--target", "mi300x", "--mode", "train", "--compare-regular", "--out", str(out)]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    far = json.loads((out / "report_farskip.json").read_text())["totals"]
+    reg = json.loads((out / "report_regular.json").read_text())["totals"]
+    f_x, r_x = far["by_kind"]["ragged-all-to-all"], reg["by_kind"]["ragged-all-to-all"]
+    print(f"OVERLAP mi300x production train ragged a2a exposed: farskip {f_x['sim_exposed_us']:.1f} us, "
+          f"regular {r_x['sim_exposed_us']:.1f} us")
+    assert f_x["count"] == r_x["count"] == 16, "2 MoE layers x 2 chunks x (Dispatch, Combine) x (fwd, bwd)"
+    assert f_x["sim_exposed_us"] < 0.85 * r_x["sim_exposed_us"]
+    assert f_x["sync"] == 0
+    assert far["all"]["sim_hidden_frac"] > reg["all"]["sim_hidden_frac"]
+
+
+# The padded exchange, the one this test was first written for; slow since the production-path
+# test above carries FarSkip's claim on MI300X in the default suite.
+@pytest.mark.slow
 def test_mi300x_model_train_step_farskip_beats_regular(tmp_path: Path) -> None:
     """End to end on the MI300X target, from a clean environment (no JAX_PLATFORMS, no PYTHONPATH):
     the reduced DSV2-Lite train step, FarSkip vs regular.
