@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from farskip_jax import hf_config
+from farskip_jax.checkpoint import hf_tokenizer
 from farskip_jax.checkpoint.common import bits, copy_into, nest_set, raise_problems
 from farskip_jax.checkpoint.hf_io import CheckpointError, TensorSource, np_dtype
 from farskip_jax.checkpoint.hf_keys import ParamSpec, hf_key_index, param_specs
@@ -403,6 +404,7 @@ def convert_hf_to_orbax(input_dir: str | Path, output_dir: str | Path, *, dtype:
     np_dt = np_dtype(dtype)
     with atomic_output_dir(out, log) as tmp, progress_bar(total, "HF -> Orbax", progress) as bar:
         shutil.copyfile(src / "config.json", tmp / "config.json")
+        hf_tokenizer.copy_from_hf_dir(src, tmp)  # so that an export back to HF carries them
         (tmp / MODEL_CONFIG).write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
         # One chunk per expert: an EP restore reads only the experts it owns.
         writer = ParamsWriter(tmp, {s.path for s in specs if is_stacked(s)}, compress=compress)

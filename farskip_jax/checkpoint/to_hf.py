@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from farskip_jax import hf_config
+from farskip_jax.checkpoint import hf_tokenizer
 from farskip_jax.checkpoint.common import copy_into, nest_get, nest_set, raise_problems
 from farskip_jax.checkpoint.convert import (
     Group,
@@ -129,16 +130,29 @@ class ParamsReader:
         return restore_tree(self.path / PARAMS_ITEM, target, partial=True)
 
 
-def trainer_model_config(step_dir: Path) -> ModelConfig:
-    """Our assumption about the trainer's "meta" JSON item (see the module docstring)."""
-    files = [f for f in sorted((step_dir / "meta").iterdir()) if f.is_file() and not f.name.startswith("_")]
-    for f in files:
+def _trainer_metas(step_dir: Path) -> list[dict]:
+    """The JSON dicts of a training checkpoint's "meta" item."""
+    metas = []
+    for f in sorted((step_dir / "meta").iterdir()):
+        if not f.is_file() or f.name.startswith("_"):
+            continue
         try:
             meta = json.loads(f.read_text())
         except ValueError:
             continue
-        if not isinstance(meta, dict):
-            continue
+        if isinstance(meta, dict):
+            metas.append(meta)
+    return metas
+
+
+def trainer_config_dict(step_dir: Path) -> dict | None:
+    """The whole training config stored in a training checkpoint's meta (None if absent)."""
+    return next((m["config"] for m in _trainer_metas(step_dir) if isinstance(m.get("config"), dict)), None)
+
+
+def trainer_model_config(step_dir: Path) -> ModelConfig:
+    """Our assumption about the trainer's "meta" JSON item (see the module docstring)."""
+    for meta in _trainer_metas(step_dir):
         for cand in (meta.get("model_config"), meta.get("model"), (meta.get("config") or {}).get("model")):
             if isinstance(cand, dict):
                 if "num_hidden_layers" in cand:
@@ -268,9 +282,24 @@ def convert_orbax_to_hf(input_dir: str | Path, output_dir: str | Path, *, dtype:
             config_json.update({"architectures": [remote_cls],
                                 "auto_map": {"AutoModelForCausalLM": f"{remote_code.stem}.{remote_cls}"}})
             shutil.copyfile(remote_code, tmp / remote_code.name)
+        trainer_cfg = trainer_config_dict(src) if reader.kind == "training checkpoint" else None
+        assets = hf_tokenizer.find(src, trainer_cfg)
+        if assets is not None:
+            ids = hf_tokenizer.write(assets, tmp, config_json)
+        else:
+            ids = {}
+            for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+                config_json.pop(k, None)  # a family default would name a token of another vocabulary
         (tmp / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
     summary.bytes, summary.seconds = total, time.perf_counter() - t0
     log(summary.line(f"wrote {out} ({n} shard(s)):"))
+    if assets is not None:
+        written = sorted(p.name for p in out.iterdir() if p.name in hf_tokenizer.TOKENIZER_FILES)
+        log(f"tokenizer from {assets.source}: {', '.join(written)}; ids {ids}")
+    else:
+        log(f"warning: no tokenizer found for {src} (a training checkpoint's data.tokenizer, or the "
+            f"converted checkpoint's {hf_tokenizer.SUBDIR}/): the export has no tokenizer files and no "
+            "bos/eos ids; copy the tokenizer's files into it before serving")
     if config_json["farskip"]:
         first, last = config_json["farskip_start_idx"], config_json["farskip_end_idx"]
         log(f"warning: FarSkip model (layers {first}..{last}): "

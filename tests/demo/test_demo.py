@@ -53,3 +53,40 @@ def test_outputs_written(demo_run: tuple[dict, Path]) -> None:
         assert p.read_bytes()[:8] == PNG_SIGNATURE, p
         img = mpimg.imread(p)
         assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+
+
+def test_export_of_the_fcsd_student_serves_as_it_is(demo_run: tuple[dict, Path], tmp_path: Path) -> None:
+    """`convert_torch_ckpt.py --to-hf` of the demo's FCSD checkpoint is a directory transformers
+    serves as it is: the run's tokenizer with a chat template rendering the training template,
+    config.json and generation_config.json with that tokenizer's BOS/EOS ids (not DeepSeek-V2's
+    100000 / 100001), and `generate` stops at the first EOS."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from farskip_jax.checkpoint.to_hf import convert_orbax_to_hf
+
+    _, out = demo_run
+    steps = sorted((out / "fcsd" / "checkpoints").glob("[0-9]*"), key=lambda p: int(p.name))
+    hf_dir = tmp_path / "hf"
+    convert_orbax_to_hf(steps[-1], hf_dir, progress=False, log=lambda _line: None)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json"):
+        assert (hf_dir / name).is_file(), name
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    eos = tok.convert_tokens_to_ids("<eos>")
+    config = json.loads((hf_dir / "config.json").read_text())
+    gen = json.loads((hf_dir / "generation_config.json").read_text())
+    assert config["eos_token_id"] == gen["eos_token_id"] == tok.eos_token_id == eos
+    assert config["bos_token_id"] == tok.convert_tokens_to_ids("<bos>") < config["vocab_size"]
+    record = json.loads((out / "data" / "train.jsonl").read_text().splitlines()[0])
+    user, answer = record["messages"][0]["content"], record["messages"][1]["content"]
+    # the chat template gives a training record the token ids the data pipeline gave it
+    rendered = tok.apply_chat_template(record["messages"], return_dict=True)["input_ids"]
+    words = ["<bos>", "User:", *user.split(), "Assistant:", *answer.split(), "<eos>"]
+    assert list(rendered) == tok.convert_tokens_to_ids(words), tok.convert_ids_to_tokens(rendered)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True, dtype=torch.float32)
+    prompt = tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
+                                     return_tensors="pt", return_dict=True)["input_ids"]
+    new = model.generate(prompt, max_new_tokens=16, do_sample=False)[0, prompt.shape[1]:].tolist()
+    assert new and new[-1] == eos and new.count(eos) == 1, tok.convert_ids_to_tokens(new)
