@@ -4,6 +4,8 @@ Subcommands:
   logits   run an HF DeepSeek-V2 checkpoint on token ids, write float32 logits (farskip_jax.cli_logits)
   generate prefill + decode over the MLA latent cache: text or token ids (farskip_jax.cli_generate)
   inspect  deviceless compile + HLO overlap report (farskip_jax.inspect.cli)
+  describe parameters, layer plan, bytes per device and HF architecture of a checkpoint or config
+           (farskip_jax.cli_describe)
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ SUBCOMMANDS = {
     "logits": ("farskip_jax.cli_logits", "run a checkpoint on token ids and write float32 logits"),
     "generate": ("farskip_jax.cli_generate", "generate text or token ids from a checkpoint (KV cache)"),
     "inspect": ("farskip_jax.inspect.cli", "deviceless compile and HLO collective-overlap report"),
+    "describe": ("farskip_jax.cli_describe", "parameters, layer plan, bytes per device, HF architecture"),
 }
 
 
