@@ -230,10 +230,11 @@ def _deepseek_v3_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
     if any("Instella" in a for a in arch) and "gated_attention" not in hf:
         raise ConfigError(f"config.json architectures={arch} has no 'gated_attention' key: cannot tell "
                           "whether the attention output is gated")
-    if quant := hf.get("quantization_config"):
-        raise ConfigError(f"config.json quantization_config={quant.get('quant_method')!r}: "
-                          "quantized (e.g. DeepSeek-V3's FP8) checkpoints are not supported; dequantize the "
-                          "weights to bf16 first")
+    if (quant := hf.get("quantization_config")) and quant.get("quant_method") != "fp8":
+        # FP8 block quantization (DeepSeek-V3 / R1 as published) is a storage format of the weights,
+        # dequantized as they are read (checkpoint/hf_io.py); the model is the same.
+        raise ConfigError(f"config.json quantization_config={quant.get('quant_method')!r}: only the "
+                          "published FP8 block quantization is read; dequantize other formats to bf16 first")
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"config.json hidden_act={hf['hidden_act']!r}: only 'silu' is supported")
     if hf.get("attention_bias") or hf.get("mlp_bias"):

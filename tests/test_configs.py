@@ -119,10 +119,12 @@ DEEPSEEK_V3_HF = {
 def test_deepseek_v3_yaml_is_the_published_model():
     """configs/deepseek_v3.yaml describes the published model (its FP8 weights dequantized), its
     FarSkip variant differs only in connectivity, and config.json round-trips through ours."""
-    with pytest.raises(ConfigError, match="fp8"):
-        hf_config.model_config(DEEPSEEK_V3_HF)
+    # FP8 is how the published weights are stored (dequantized as they are read): the same model
     dequantized = {k: v for k, v in DEEPSEEK_V3_HF.items() if k != "quantization_config"}
-    published = hf_config.model_config(dequantized)
+    published = hf_config.model_config(DEEPSEEK_V3_HF)
+    assert published == hf_config.model_config(dequantized)
+    with pytest.raises(ConfigError, match="only the published FP8"):
+        hf_config.model_config({**dequantized, "quantization_config": {"quant_method": "gptq", "bits": 4}})
     ours = load_config("deepseek_v3").model
     for f in dataclasses.fields(ModelConfig):
         if f.name not in NOT_IN_HF:

@@ -219,7 +219,10 @@ def resolve_dtype(source: TensorSource, specs: list[ParamSpec], requested: str |
     seen: dict[str, str] = {}
     for s in specs:
         for k in s.hf_keys:
-            seen.setdefault(source.dtype_name(k), k)
+            if k not in source.scales:  # FP8 weights go into whatever the rest of the model is stored in
+                seen.setdefault(source.dtype_name(k), k)
+    if not seen and source.scales:
+        return "bfloat16"
     if len(seen) == 1 and next(iter(seen)) in ("float32", "bfloat16"):
         return next(iter(seen))
     found = ", ".join(f"{d} ({source.key_to_file[k].name}: {k!r})" for d, k in seen.items())
@@ -393,7 +396,18 @@ def convert_hf_to_orbax(input_dir: str | Path, output_dir: str | Path, *, dtype:
                       params=sum(int(np.prod(s.shape)) for s in specs))
     total = summary.params * itemsize
     if dry_run:
-        log(mapping_table(specs, lambda s: source.dtype_name(s.hf_keys[0]), dtype))
+        log(mapping_table(specs, lambda s: ("float8_e4m3fn" if s.hf_keys[0] in source.scales
+                                            else source.dtype_name(s.hf_keys[0])), dtype))
+        if quantized := source.quantized():
+            patterns: dict[str, int] = {}
+            for k in quantized:
+                pattern = re.sub(r"\.\d+\.", ".*.", re.sub(r"\.\d+\.", ".*.", k))
+                patterns[pattern] = patterns.get(pattern, 0) + 1
+            log(f"\nFP8: {len(quantized)} block-quantized tensors (float8_e4m3fn, blocks of "
+                f"{list(source.fp8_block or ())}, a float32 *_scale_inv per block), dequantized to {dtype} "
+                "while streaming:")
+            for pattern, n in patterns.items():
+                log(f"  {pattern} x {n}")
         log(f"\n{len(groups)} Orbax groups, {summary.tensors} HF tensors -> {len(specs)} parameters, "
             f"{summary.params:,} parameters, {total:,} bytes ({total / 1e9:.3f} GB) to write to {out}")
         largest = max(sum(int(np.prod(s.shape)) for s in g.specs) * itemsize for g in groups)

@@ -1,5 +1,12 @@
 """Reading HF checkpoint directories tensor by tensor (safetensors, single or sharded; .bin).
 
+FP8 block-quantized checkpoints (DeepSeek-V3 / R1 as published: config.json `quantization_config`
+{quant_method fp8, fmt e4m3, weight_block_size [128, 128]}, each quantized weight float8_e4m3fn
+with one float32 `<name>_scale_inv` per block) are dequantized as each tensor is read: the weight
+in float32 times its block's scale, the blocks at the right and bottom edges partial. The scale
+tensors are not listed as tensors of their own (`keys`). A quantized weight without its scale, a
+scale without its weight, or a scale of the wrong shape is refused, naming the tensor.
+
 Nothing here holds more than the tensors a caller asks for: a safetensors file's header is parsed
 once and each tensor is read with one seek + read of its byte range (no mmap, so pages of other
 tensors never count towards the process RSS; bfloat16 works, which safetensors' numpy API lacks).
@@ -27,13 +34,41 @@ class CheckpointError(UserError, ValueError):
 
 # safetensors dtype tags -> numpy dtype names (bfloat16 comes from ml_dtypes).
 ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-             "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+             "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+             "F8_E4M3": "float8_e4m3fn"}
+SCALE_SUFFIX = "_scale_inv"  # FP8: `<weight name>_scale_inv` holds the weight's per-block scales
 
 
 def np_dtype(name: str) -> np.dtype:
     import ml_dtypes
 
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+    if name in ("bfloat16", "float8_e4m3fn"):
+        return np.dtype(getattr(ml_dtypes, name))
+    return np.dtype(name)
+
+
+def fp8_block_size(hf: dict) -> tuple[int, int] | None:
+    """config.json's FP8 block size, None without quantization; other schemes refused."""
+    quant = hf.get("quantization_config")
+    if not quant:
+        return None
+    method, fmt, block = quant.get("quant_method"), quant.get("fmt", "e4m3"), quant.get("weight_block_size")
+    if method != "fp8" or fmt != "e4m3" or not (isinstance(block, list) and len(block) == 2
+                                                 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise CheckpointError(f"config.json quantization_config {quant}: only block-quantized FP8 "
+                              "(quant_method fp8, fmt e4m3, weight_block_size [rows, cols]) is read")
+    return block[0], block[1]
+
+
+def dequantize_fp8(q: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], name: str) -> np.ndarray:
+    """float32 `q * scale` with one scale per `block` (partial blocks at the edges)."""
+    rows, cols = q.shape
+    want = (-(-rows // block[0]), -(-cols // block[1]))
+    if scale_inv.shape != want:
+        raise CheckpointError(f"tensor {name}{SCALE_SUFFIX}: shape {list(scale_inv.shape)} does not match "
+                              f"{name} {list(q.shape)} in blocks of {list(block)} (expected {list(want)})")
+    scale = np.repeat(np.repeat(scale_inv.astype(np.float32), block[0], axis=0), block[1], axis=1)
+    return q.astype(np.float32) * scale[:rows, :cols]
 
 
 def read_safetensors_header(f: Path) -> tuple[int, dict]:
@@ -83,6 +118,36 @@ class TensorSource:
                                   "pytorch_model*.bin files")
         self._bin_cache: tuple[Path, dict] | None = None
         self._stored: dict[str, str] = {}  # our key -> the name in the file, where they differ
+        cfg_file = self.dir / "config.json"
+        self.fp8_block = fp8_block_size(json.loads(cfg_file.read_text())) if cfg_file.is_file() else None
+        self.scales: dict[str, str] = {}  # FP8: quantized weight -> its scale tensor
+        self._scale_files: dict[str, Path] = {}
+        self._pair_fp8_scales()
+
+    def _pair_fp8_scales(self) -> None:
+        """Moves the `_scale_inv` tensors out of the tensor list, each to its weight; refuses strays."""
+        scale_keys = [k for k in self.key_to_file if k.endswith(SCALE_SUFFIX)]
+        if not scale_keys and self.fp8_block is None:
+            return
+        for key in scale_keys:
+            weight = key[: -len(SCALE_SUFFIX)]
+            if weight not in self.key_to_file:
+                raise CheckpointError(f"{self.key_to_file[key]}: scale tensor {key!r} has no weight "
+                                      f"{weight!r}")
+            self.scales[weight] = key
+        if self.scales and self.fp8_block is None:
+            raise CheckpointError(f"{self.dir}: {len(self.scales)} *{SCALE_SUFFIX} tensors (e.g. "
+                                  f"{next(iter(self.scales.values()))!r}) but config.json has no FP8 "
+                                  "quantization_config (weight_block_size)")
+        self._scale_files = {k: self.key_to_file.pop(k) for k in scale_keys}
+        for key in self.key_to_file:
+            if self._raw_dtype(key) == "float8_e4m3fn" and key not in self.scales:
+                raise CheckpointError(f"{self.key_to_file[key]}: tensor {key!r} is float8_e4m3fn but has no "
+                                      f"{key + SCALE_SUFFIX!r}")
+
+    def quantized(self) -> list[str]:
+        """The FP8 weights, dequantized by `read`."""
+        return sorted(k for k in self.scales if k in self.key_to_file)
 
     def _header(self, f: Path) -> tuple[int, dict]:
         # Parsed once per file: a DSV2-Lite shard lists thousands of tensors.
@@ -91,7 +156,7 @@ class TensorSource:
         return self._headers[f]
 
     def _st_entry(self, key: str) -> tuple[Path, int, dict]:
-        f = self.key_to_file[key]
+        f = self.key_to_file[key] if key in self.key_to_file else self._scale_files[key]
         start, header = self._header(f)
         stored = self._stored.get(key, key)
         if stored not in header:
@@ -169,7 +234,11 @@ class TensorSource:
         return tuple(self._bin(f)[self._stored.get(key, key)].shape)
 
     def dtype_name(self, key: str) -> str:
-        """numpy-style name: float32, bfloat16, float16, int64, ..."""
+        """numpy-style name: float32, bfloat16, float16, int64, ... (float32 for an FP8 weight,
+        which `read` dequantizes)."""
+        return "float32" if key in self.scales else self._raw_dtype(key)
+
+    def _raw_dtype(self, key: str) -> str:
         f = self.key_to_file[key]
         if f.suffix == ".safetensors":
             tag = self._st_entry(key)[2]["dtype"]
@@ -177,8 +246,15 @@ class TensorSource:
         return str(self._bin(f)[self._stored.get(key, key)].dtype).replace("torch.", "")
 
     def read(self, key: str) -> np.ndarray:
-        """One tensor as numpy (bfloat16 via ml_dtypes), bit-exact."""
-        f = self.key_to_file[key]
+        """One tensor as numpy (bfloat16 via ml_dtypes), bit-exact; an FP8 weight dequantized to
+        float32 with its block scales."""
+        if key in self.scales:
+            assert self.fp8_block is not None
+            return dequantize_fp8(self._read_raw(key), self._read_raw(self.scales[key]), self.fp8_block, key)
+        return self._read_raw(key)
+
+    def _read_raw(self, key: str) -> np.ndarray:
+        f = self.key_to_file[key] if key in self.key_to_file else self._scale_files[key]
         if f.suffix == ".safetensors":
             f, start, entry = self._st_entry(key)
             dtype = np_dtype(ST_DTYPES.get(entry["dtype"], entry["dtype"]))
