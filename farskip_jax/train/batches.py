@@ -159,3 +159,75 @@ def eval_batches(cfg: Config, sharding: NamedSharding) -> list[dict[str, np.ndar
         return None
     stream = BatchStream(cfg, sharding, 1, "eval_paths")
     return [{k: v[0] for k, v in stream.next_host().items()} for _ in range(cfg.train.eval_batches)]
+
+
+@dataclasses.dataclass
+class PrefetchedBatch:
+    """One step's batch, made ahead: on the mesh, with what the loop needs from the host copy."""
+
+    step: int
+    batch: dict[str, jax.Array]
+    host_shape: tuple[int, ...]  # [A, B_local, T] of input_ids
+    real_tokens: float  # non-padding tokens of this process's rows
+    data_state: dict[str, Any]  # the stream's state after this batch: what a checkpoint after it holds
+    seconds: float  # host time spent making it (read, tokenize, pack, device_put)
+
+
+class _Failure:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class Prefetcher:
+    """Makes the next step batches in a background thread while the device runs the current step.
+
+    Why: the loop was serial (next batch, device_put, step, metrics), so every step's host work was
+    device idle time. `make(step)` runs in the thread, in step order; `depth` batches wait ready.
+    Each batch carries the stream's state after it, so a checkpoint records the batches the loop
+    consumed, not the ones made ahead (a resumed run continues with the same batches). An error in
+    the thread is raised by the `next()` that would have returned its batch."""
+
+    def __init__(self, make: Any, first_step: int, depth: int = 1):
+        import queue
+        import threading
+
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(make, first_step), daemon=True,
+                                        name="farskip-prefetch")
+        self._thread.start()
+
+    def _run(self, make: Any, step: int) -> None:
+        import queue
+
+        while not self._stop.is_set():
+            try:
+                item: Any = make(step)
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+                item = _Failure(e)
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, _Failure):
+                return
+            step += 1
+
+    def next(self) -> PrefetchedBatch:
+        item = self._queue.get()
+        if isinstance(item, _Failure):
+            raise item.error
+        return item
+
+    def close(self) -> None:
+        import queue
+
+        self._stop.set()
+        try:
+            while True:
+                self._queue.get_nowait()
+        except queue.Empty:
+            pass
+        self._thread.join(timeout=30)

@@ -8,6 +8,7 @@ Test hooks (environment variables, read once per run; they exist so tests can cr
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -146,6 +147,19 @@ class Trainer:
         # moe_overflow_reruns: steps (and eval batches) whose bounded routed-expert buffers overflowed
         # and were run again with the worst-case program (model.moe_buffer_factor)
         self.counts = {"nonfinite_skipped": 0, "spikes": 0, "nonfinite_in_row": 0, "moe_overflow_reruns": 0}
+        self._consumed_data_state: dict[str, Any] | None = None  # set by the loop (`_data_state`)
+        # host time per step: making the batch (in the prefetch thread) and the loop waiting for it
+        self.host_times = {"batch_s": 0.0, "wait_s": 0.0, "steps": 0}
+
+    def _make_batch(self, step: int) -> batches.PrefetchedBatch:
+        """Step `step`'s batch on the mesh (runs in the prefetch thread)."""
+        t0 = time.perf_counter()
+        host = self._with_cache(self.data.next_host(), f"train_{step:08d}")
+        real = float(np.sum(host["segment_ids"] > 0)) * jax.process_count()
+        batch = self.data.to_device(host)
+        state = copy.deepcopy(self.data.get_state())  # a snapshot: the stream moves on in this thread
+        return batches.PrefetchedBatch(step, batch, host["input_ids"].shape, real, state,
+                                       time.perf_counter() - t0)
 
     # ---- state <-> checkpoint -------------------------------------------------------------
 
@@ -153,8 +167,11 @@ class Trainer:
         return nnx.to_pure_dict(self.state["params"])
 
     def _data_state(self) -> dict[str, Any]:
-        """Every read shard's iterator state, from all processes (process 0 writes the meta item)."""
-        parts = allgather_json(_to_jsonable(self.data.get_state()))
+        """Every read shard's iterator state after the last batch the loop consumed, from all processes
+        (process 0 writes the meta item). While the loop runs, the stream itself is ahead (batches are
+        made in advance): the consumed batch's recorded state is the one that resumes exactly."""
+        state = self._consumed_data_state if self._consumed_data_state is not None else self.data.get_state()
+        parts = allgather_json(_to_jsonable(state))
         return {"read_shards": parts[0]["read_shards"],
                 "shards": {k: v for part in parts for k, v in part["shards"].items()}}
 
@@ -275,6 +292,13 @@ class Trainer:
         vals["teacher_dropped_fraction"] = float(m["teacher_dropped_fraction"])
         return vals
 
+    def _host_gap(self) -> dict[str, float]:
+        """Mean host milliseconds per step so far: making a batch (overlapped with the device by the
+        prefetch thread) and the loop waiting for one (what the device may have waited)."""
+        n = max(self.host_times["steps"], 1)
+        return {"host_batch_ms": 1e3 * self.host_times["batch_s"] / n,
+                "host_wait_ms": 1e3 * self.host_times["wait_s"] / n}
+
     def run(self, resume: bool = False) -> dict[str, Any]:
         from tqdm.auto import tqdm
 
@@ -297,17 +321,23 @@ class Trainer:
                    dynamic_ncols=True, desc=f"{self.cfg.name}:{tc.mode}")
         t0, tokens_seen, stop_reason, last_eval = time.perf_counter(), 0.0, None, None
         real_tokens, loss = 0.0, float("nan")
+        self._consumed_data_state = self.data.get_state()  # before the prefetch thread moves the stream
+        prefetch = batches.Prefetcher(self._make_batch, self.step)
         try:
             while self.step < tc.total_steps:
-                host = self._with_cache(self.data.next_host(), f"train_{self.step:08d}")
-                real_tokens += float(np.sum(host["segment_ids"] > 0)) * jax.process_count()
+                t_wait = time.perf_counter()
+                item = prefetch.next()
+                self.host_times["wait_s"] += time.perf_counter() - t_wait
+                self.host_times["batch_s"] += item.seconds
+                self.host_times["steps"] += 1
+                real_tokens += item.real_tokens
                 scale = jnp.float32(jnp.nan if self.step in nan_steps else 1.0)
-                batch = self.data.to_device(host)
+                batch = item.batch
                 if self.pgle_target is not None:
                     self.train_step = scheduled_step.scheduled_train_step(
                         self.train_step, (self.state, self.models.teacher_params, batch, scale),
                         self.pgle_target, self.out / "pgle", self.cfg,
-                        host["input_ids"].shape[1] * jax.process_count() // batch_devices(self.mesh))
+                        item.host_shape[1] * jax.process_count() // batch_devices(self.mesh))
                     self.pgle_target = None
                 self.state, m = self.train_step(self.state, self.models.teacher_params, batch, scale)
                 m = jax.device_get(m)
@@ -323,12 +353,14 @@ class Trainer:
                     m = jax.device_get(m)
                 loss, ok = self._record(m)
                 self.step += 1
+                self._consumed_data_state = item.data_state
                 tokens_seen += float(m["num_tokens"])
                 vals = self._step_values(m, loss)
                 if self.step % tc.log_every == 0 or self.step == tc.total_steps:
                     mlog.write("train", self.step, {**vals, "skipped": self.counts["nonfinite_skipped"],
                                                     "moe_overflow_reruns":
-                                                        self.counts["moe_overflow_reruns"]})
+                                                        self.counts["moe_overflow_reruns"],
+                                                    **self._host_gap()})
                 elapsed = time.perf_counter() - t0
                 bar.set_postfix(loss=f"{loss:.4g}", tok_s=f"{real_tokens / max(elapsed, 1e-9):.0f}",
                                 lr=f"{vals['lr']:.2e}", refresh=False)
@@ -360,6 +392,7 @@ class Trainer:
                     log.warning("early stop: %s", stop_reason)
                     break
         finally:
+            prefetch.close()
             bar.close()
             self.ckpt.wait()
             mlog.close()
@@ -373,7 +406,7 @@ class Trainer:
                 str(self.ckpt.directory / str(self.ckpt.best_step()))
                 if self.ckpt.best_step() is not None else None),
             "checkpoints": self.ckpt.steps(), "tokens_per_s": real_tokens / max(elapsed, 1e-9),
-            "loss_tokens": tokens_seen, "wall_s": elapsed, **self.counts,
+            "loss_tokens": tokens_seen, "wall_s": elapsed, **self.counts, **self._host_gap(),
         }
         self.ckpt.close()
         if jax.process_index() == 0:
