@@ -3,13 +3,14 @@
 `data.batch_size` is the global micro-batch B (all processes together); A = `train.grad_accum_steps`
 micro-batches make one [A, B, T] step batch, sharded over (data, expert) on B.
 
-Read shards: the records are split into R = `data.read_shards` strided shards (default: one per
-process), each an independent grain pipeline (shuffle, packing, iterator state) giving B / R rows
-per micro-batch. The global micro-batch is shard 0's rows, then shard 1's, and so on, and a process
-runs the R / P shards whose rows live on its devices (the mesh is process-major on the batch axes,
-parallel/mesh.py). So the batches are a function of R alone: 2 processes x 4 devices and 1 process x
-8 devices with the same R train on the same rows in the same order, and a checkpoint's data state
-(one iterator state per shard) resumes under any process count that divides R.
+Read shards: the records are split into R = `data.read_shards` strided shards (default: the mesh's
+data x expert devices, `default_read_shards`), each an independent grain pipeline (shuffle, packing,
+iterator state) giving B / R rows per micro-batch. The global micro-batch is shard 0's rows, then
+shard 1's, and so on, and a process runs the R / P shards whose rows live on its devices (the mesh
+is process-major on the batch axes, parallel/mesh.py). So the batches are a function of R alone: 2
+processes x 4 devices and 1 process x 8 devices with the same R train on the same rows in the same
+order, and a checkpoint's data state (one iterator state per shard) resumes under any process count
+that divides R.
 """
 
 from __future__ import annotations
@@ -63,6 +64,14 @@ def check_data_files(cfg: Config) -> None:
                         "data.tokenizer=PATH/tokenizer.json")
 
 
+def default_read_shards(sharding: NamedSharding) -> int:
+    """`data.read_shards` when unset: the devices the batch is split over (mesh data x expert).
+    Fixed by the config's mesh, not by the process count, so 1 process x 8 devices and 2 x 4 read the
+    same batches; any process count of the mesh divides it."""
+    shape = sharding.mesh.shape
+    return int(shape.get("data", 1) * shape.get("expert", 1))
+
+
 class BatchStream:
     """Global [A, B, T] step batches; this process holds the iterators of its read shards (module
     docstring) and gives its rows of each batch, placed with `sharding` by `to_device`."""
@@ -76,13 +85,13 @@ class BatchStream:
         self.pinned_shards: int | None = cfg.data.get("read_shards")
         self.accum = accum
         self.sharding = sharding
-        self._open(self.pinned_shards or self.process_count)
+        self._open(self.pinned_shards or default_read_shards(sharding))
 
     def _open(self, read_shards: int) -> None:
         """Builds this process's shard pipelines for `read_shards` shards."""
         b, p = self.dcfg.batch_size, self.process_count
         if not isinstance(read_shards, int) or read_shards < 1:
-            raise UserError("data.read_shards must be an int >= 1 (or null: one per process), "
+            raise UserError("data.read_shards must be an int >= 1 (or null: one per batch device), "
                             f"got {read_shards!r}")
         if read_shards % p:
             raise UserError(f"data.read_shards={read_shards} cannot be split over {p} processes; use a "
