@@ -207,7 +207,11 @@ def inspect_overlap(cfg_path: str, out: Path, seq_len: int, log: Callable[[str],
 
 
 def overlap_line(cmp: Mapping[str, Any]) -> str:
-    a2a = cmp["groups"]["all-to-all"]
+    # the token exchange: a ragged all-to-all on GPU targets (model.ep_exchange auto), a dense one else
+    kind = next((k for k in ("ragged-all-to-all", "all-to-all") if k in cmp["groups"]), None)
+    if kind is None:
+        return f"no all-to-all in the compiled step (groups: {sorted(cmp['groups'])})"
+    a2a = cmp["groups"][kind]
     f, r = a2a["farskip"]["hidden_frac"], a2a["regular"]["hidden_frac"]
     return (f"all-to-all time hidden under compute: FarSkip {100 * f:.1f}% vs regular {100 * r:.1f}% "
             f"(estimated step {cmp['est_step_us']['farskip']:.0f} us vs "

@@ -90,3 +90,18 @@ def test_export_of_the_fcsd_student_serves_as_it_is(demo_run: tuple[dict, Path],
                                      return_tensors="pt", return_dict=True)["input_ids"]
     new = model.generate(prompt, max_new_tokens=16, do_sample=False)[0, prompt.shape[1]:].tolist()
     assert new and new[-1] == eos and new.count(eos) == 1, tok.convert_ids_to_tokens(new)
+
+
+def test_overlap_line_reads_the_ragged_exchange() -> None:
+    """The demo's inspect summary names the exchange the GPU target compiles (ragged all-to-all since
+    the bounded dropless exchange; `make demo` failed on a missing dense all-to-all group)."""
+    from farskip_jax.demo.pipeline import overlap_line
+
+    def cmp(kind: str) -> dict:
+        return {"groups": {kind: {"farskip": {"hidden_frac": 0.9}, "regular": {"hidden_frac": 0.5}}},
+                "est_step_us": {"farskip": 100.0, "regular": 110.0}, "speedup_est": 1.1}
+
+    for kind in ("ragged-all-to-all", "all-to-all"):
+        assert overlap_line(cmp(kind)).startswith("all-to-all time hidden under compute: FarSkip 90.0% vs "
+                                                  "regular 50.0%")
+    assert overlap_line({"groups": {"all-reduce": {}}}).startswith("no all-to-all")
