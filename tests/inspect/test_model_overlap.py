@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from overlap_claims import assert_farskip_exposes_less
 
 from farskip_jax.config import load_config, parse_overrides
 from farskip_jax.inspect import steps
@@ -84,10 +85,7 @@ def test_production_step_farskip_exposes_less_exchange_time_than_regular(product
     print(f"OVERLAP production train ragged a2a exposed: farskip {f_x['sim_exposed_us']:.0f} us, regular "
           f"{r_x['sim_exposed_us']:.0f} us; all hidden {far['all']['sim_hidden_frac']:.3f} vs "
           f"{reg['all']['sim_hidden_frac']:.3f}")
-    assert f_x["count"] == r_x["count"] == 16, "2 MoE layers x 2 chunks x (Dispatch, Combine) x (fwd, bwd)"
-    assert f_x["sim_exposed_us"] < 0.85 * r_x["sim_exposed_us"]
-    assert f_x["sync"] == 0
-    assert far["all"]["sim_hidden_frac"] > reg["all"]["sim_hidden_frac"]
+    assert_farskip_exposes_less(far, reg)
 
 
 # The padded exchange with capacity: per-collective checks of the exchange these tests were first

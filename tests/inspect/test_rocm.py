@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from overlap_claims import assert_farskip_exposes_less
 
 pytestmark = [
     pytest.mark.rocm,
@@ -88,10 +89,7 @@ def test_mi300x_production_train_step_farskip_exposes_less_than_regular(tmp_path
     f_x, r_x = far["by_kind"]["ragged-all-to-all"], reg["by_kind"]["ragged-all-to-all"]
     print(f"OVERLAP mi300x production train ragged a2a exposed: farskip {f_x['sim_exposed_us']:.1f} us, "
           f"regular {r_x['sim_exposed_us']:.1f} us")
-    assert f_x["count"] == r_x["count"] == 16, "2 MoE layers x 2 chunks x (Dispatch, Combine) x (fwd, bwd)"
-    assert f_x["sim_exposed_us"] < 0.85 * r_x["sim_exposed_us"]
-    assert f_x["sync"] == 0
-    assert far["all"]["sim_hidden_frac"] > reg["all"]["sim_hidden_frac"]
+    assert_farskip_exposes_less(far, reg)
 
 
 # The padded exchange, the one this test was first written for; slow since FarSkip's claim is carried
