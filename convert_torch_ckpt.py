@@ -17,6 +17,8 @@ examples:
       --dtype bf16 --mesh expert=8 --farskip on --farskip-range 1:26
   # show the HF key -> parameter table and the bytes to be written, write nothing
   python convert_torch_ckpt.py --input DeepSeek-V2-Lite --output ckpt/dsv2lite --dry-run
+  # the same command after a kill or Ctrl-C: continue from the last group written
+  python convert_torch_ckpt.py --input DeepSeek-V2-Lite --output ckpt/dsv2lite --dtype bf16 --resume
   # Orbax (converted, or a training step RUN_DIR/checkpoints/STEP) -> HF safetensors
   python convert_torch_ckpt.py --to-hf --input runs/x/checkpoints/5000 --output hf_out
 
@@ -55,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="validate, print the HF key -> parameter mapping and the bytes to write, write "
                         "nothing")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    p.add_argument("--resume", action="store_true",
+                   help="HF -> Orbax: continue an interrupted (killed, Ctrl-C) conversion to --output "
+                        "from the last group it finished, refused if the input files or settings "
+                        "changed; the result is bitwise that of an uninterrupted run. Without it, an "
+                        "interrupted conversion's temp dir is removed and everything is written again")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -75,12 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     common = dict(dtype=args.dtype, overrides=overrides, dry_run=args.dry_run, overwrite=args.overwrite,
                   progress=not args.no_progress)
     if args.to_hf:
-        if args.mesh or args.compress:
-            raise UserError("--mesh and --compress apply to HF -> Orbax only; drop them with --to-hf")
+        if args.mesh or args.compress or args.resume:
+            raise UserError("--mesh, --compress and --resume apply to HF -> Orbax only; drop them with "
+                            "--to-hf")
         convert_orbax_to_hf(args.input, args.output, max_shard_size=args.max_shard_size, **common)
     else:
         convert_hf_to_orbax(args.input, args.output, mesh=parse_mesh(args.mesh), compress=args.compress,
-                            **common)
+                            resume=args.resume, **common)
     return 0
 
 

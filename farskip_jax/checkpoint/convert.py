@@ -55,13 +55,21 @@ from farskip_jax.checkpoint.common import bits, copy_into, nest_set, raise_probl
 from farskip_jax.checkpoint.hf_io import CheckpointError, TensorSource, np_dtype
 from farskip_jax.checkpoint.hf_keys import ParamSpec, hf_key_index, param_specs
 from farskip_jax.checkpoint.hf_load import config_from_dir
-from farskip_jax.checkpoint.orbax_io import FORMAT, MARKER, MODEL_CONFIG, PARAMS_ITEM, VERSION, ParamsWriter
+from farskip_jax.checkpoint.orbax_io import (
+    FORMAT,
+    MARKER,
+    MODEL_CONFIG,
+    PARAMS_ITEM,
+    VERSION,
+    ParamsWriter,
+)
 from farskip_jax.config import ConfigError, ModelConfig, override, to_dict
 
 # Test hook: seconds to sleep after the first group is written (to SIGKILL a conversion mid-write).
 TEST_PAUSE_ENV = "FARSKIP_CONVERT_TEST_PAUSE_S"
 DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
 _TMP_TAG = ".farskip-tmp-"
+PLAN_FILE = "convert_plan.json"  # in the temp dir only: what an interrupted conversion was writing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,23 +265,54 @@ def _pid_alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def atomic_output_dir(output: Path, log: Callable[[str], None] = print) -> Iterator[Path]:
-    """Yields a temp dir next to `output`, renamed to `output` only when the body succeeds."""
+def atomic_output_dir(output: Path, log: Callable[[str], None] = print, plan: dict | None = None,
+                      resume: bool = False) -> Iterator[Path]:
+    """Yields a temp dir next to `output`, renamed to `output` only when the body succeeds.
+
+    `plan` (what is being converted, `conversion_plan`) is written into the temp dir first. With
+    `resume`, the temp dir of an interrupted conversion (its pid is gone) with the same plan is
+    taken over instead of a new one; without, such dirs are removed. A body that fails after
+    writing keeps its temp dir for a later `resume`.
+    """
     output.parent.mkdir(parents=True, exist_ok=True)
-    # Temp dirs of killed conversions (their pid is gone) are removed so they don't pile up.
-    for stale in output.parent.glob(f".{output.name}{_TMP_TAG}*"):
-        pid = stale.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _pid_alive(int(pid)):
-            log(f"removing {stale} left by an interrupted conversion")
-            shutil.rmtree(stale, ignore_errors=True)
     tmp = output.parent / f".{output.name}{_TMP_TAG}{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    adopted = None
+    for stale in sorted(output.parent.glob(f".{output.name}{_TMP_TAG}*"), key=lambda p: p.stat().st_mtime):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or _pid_alive(int(pid)):
+            continue
+        if resume and plan is not None:
+            problem = plan_mismatch(stale, plan)
+            if problem is None:
+                if adopted is not None:
+                    shutil.rmtree(adopted, ignore_errors=True)
+                adopted = stale
+                continue
+            raise CheckpointError(f"--resume: {stale} holds an interrupted conversion of something else "
+                                  f"({problem}); rerun with its settings, or without --resume to start over "
+                                  "(that removes it)")
+        hint = " (--resume would continue it instead)" if plan is not None else ""
+        log(f"removing {stale} left by an interrupted conversion{hint}")
+        shutil.rmtree(stale, ignore_errors=True)
+    if adopted is not None:
+        adopted.rename(tmp)
+    else:
+        if resume:
+            log(f"--resume: no interrupted conversion to {output} found; starting from the beginning")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        if plan is not None:
+            (tmp / PLAN_FILE).write_text(json.dumps(plan, indent=1) + "\n")
     try:
         yield tmp
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if plan is not None and ParamsWriter.committed_saves(tmp):
+            log(f"conversion stopped; what was written is kept in {tmp}: rerun the same command with "
+                "--resume to continue it")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
+    (tmp / PLAN_FILE).unlink(missing_ok=True)
     if output.exists():
         # Rename the old output away first, so the output name always holds a complete checkpoint.
         old = output.parent / f".{output.name}.farskip-old-{os.getpid()}"
@@ -282,6 +321,43 @@ def atomic_output_dir(output: Path, log: Callable[[str], None] = print) -> Itera
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(output)
+
+
+# --------------------------------------------------------------------------------------------
+# Resuming an interrupted conversion
+
+
+def conversion_plan(src: Path, source: TensorSource, dtype: str, overrides: dict[str, Any],
+                    compress: bool, mesh: dict[str, int]) -> dict:
+    """What a conversion writes, as JSON: a resumed run must match it exactly (the same input files,
+    byte for byte by size and modification time, and the same settings)."""
+    files = sorted({src / "config.json", *source.key_to_file.values()})
+    return {"version": VERSION, "source": str(src.resolve()), "dtype": dtype,
+            "overrides": {k: overrides[k] for k in sorted(overrides)}, "compress": compress, "mesh": mesh,
+            "files": {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}}
+
+
+def plan_mismatch(tmp: Path, plan: dict) -> str | None:
+    """None if the interrupted conversion in `tmp` was converting exactly `plan`, else what differs."""
+    f = tmp / PLAN_FILE
+    if not f.is_file():
+        return f"no {PLAN_FILE}"
+    old = json.loads(f.read_text())
+    for key in plan:
+        if key == "files" and old.get("files") != plan["files"]:
+            changed = sorted(n for n in set(plan["files"]) | set(old.get("files", {}))
+                             if plan["files"].get(n) != old.get("files", {}).get(n))
+            return f"input files changed since: {', '.join(changed[:3])}"
+        if old.get(key) != plan[key]:
+            return f"{key} was {old.get(key)!r}, now {plan[key]!r}"
+    return None
+
+
+def written_paths(tmp: Path) -> set[tuple]:
+    """Parameter paths (as strings) already on disk in an interrupted conversion's temp dir; what an
+    interrupted save left behind is removed first."""
+    ParamsWriter.drop_uncommitted(tmp)
+    return ParamsWriter.committed_paths(tmp)
 
 
 def progress_bar(total: int, desc: str, enabled: bool):
@@ -373,11 +449,14 @@ def check_mesh(mesh: dict[str, int], cfg: ModelConfig) -> None:
 def convert_hf_to_orbax(input_dir: str | Path, output_dir: str | Path, *, dtype: str | None = None,
                         mesh: dict[str, int] | None = None, overrides: dict[str, Any] | None = None,
                         dry_run: bool = False, overwrite: bool = False, progress: bool = True,
-                        compress: bool = False, log: Callable[[str], None] = print) -> Summary:
+                        compress: bool = False, resume: bool = False,
+                        log: Callable[[str], None] = print) -> Summary:
     """Validates an HF DeepSeek-V2/V3, Instella-MoE, Qwen3-MoE or Llama-4 directory, then writes it as a
     farskip Orbax checkpoint (DeepSeek-V3's multi-token-prediction layers and Llama-4's vision tower
     are skipped, with a message;
-    `compress`: zstd, about 10% smaller for bf16 weights and CPU-bound)."""
+    `compress`: zstd, about 10% smaller for bf16 weights and CPU-bound; `resume`: continue an
+    interrupted conversion of the same input with the same settings, skipping the groups it wrote:
+    the result is bitwise the uninterrupted one)."""
     src, out = Path(input_dir), Path(output_dir)
     base_cfg = config_from_dir(src)
     source = TensorSource(src)
@@ -416,19 +495,28 @@ def convert_hf_to_orbax(input_dir: str | Path, output_dir: str | Path, *, dtype:
         return summary
     t0 = time.perf_counter()
     np_dt = np_dtype(dtype)
-    with atomic_output_dir(out, log) as tmp, progress_bar(total, "HF -> Orbax", progress) as bar:
+    plan = conversion_plan(src, source, dtype, overrides or {}, compress, mesh or {})
+    with (atomic_output_dir(out, log, plan=plan, resume=resume) as tmp,
+          progress_bar(total, "HF -> Orbax", progress) as bar):
         shutil.copyfile(src / "config.json", tmp / "config.json")
         hf_tokenizer.copy_from_hf_dir(src, tmp)  # so that an export back to HF carries them
         (tmp / MODEL_CONFIG).write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
+        written = written_paths(tmp)
+        todo = [g for g in groups if not all(tuple(map(str, s.path)) in written for s in g.specs)]
+        if len(todo) < len(groups):
+            done_bytes = total - sum(int(np.prod(s.shape)) * itemsize for g in todo for s in g.specs)
+            log(f"resuming {out}: {len(groups) - len(todo)} of {len(groups)} groups "
+                f"({done_bytes / 1e9:.3f} GB) already written")
+            bar.update(done_bytes)
         # One chunk per expert: an EP restore reads only the experts it owns.
         writer = ParamsWriter(tmp, {s.path for s in specs if is_stacked(s)}, compress=compress)
         # Reading (disk + layout copies) of group i+1 overlaps writing group i: two groups in memory.
         with ThreadPoolExecutor(1, thread_name_prefix="farskip-read") as pool:
-            pending = pool.submit(read_group, source, groups[0], np_dt)
-            for gi, group in enumerate(groups):
+            pending = pool.submit(read_group, source, todo[0], np_dt) if todo else None
+            for gi, group in enumerate(todo):
                 tree, nbytes = pending.result()
-                if gi + 1 < len(groups):
-                    pending = pool.submit(read_group, source, groups[gi + 1], np_dt)
+                if gi + 1 < len(todo):
+                    pending = pool.submit(read_group, source, todo[gi + 1], np_dt)
                 bar.set_postfix_str(f"writing {group.name}")
                 writer.add(tree)
                 del tree

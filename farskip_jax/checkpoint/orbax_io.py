@@ -89,6 +89,40 @@ class ParamsWriter:
         self._ctx.array.saving.use_compression = compress
         self._ctx.array.saving.scoped_storage_options_creator = scoped
 
+    @staticmethod
+    def committed_saves(directory: Path) -> list[Path]:
+        """The `add` calls that completed in `directory` (a writer that was killed included): Orbax
+        commits each partial save by one rename of its directory, so a save cut off never appears."""
+        session = Path(directory) / f"{_PARTIAL}.partial_save"
+        if not session.is_dir():
+            return []
+        return sorted(p for p in session.iterdir()
+                      if ".pending_" in p.name and (p / "commit_success.txt").is_file())
+
+    @staticmethod
+    def committed_paths(directory: Path) -> set[tuple[str, ...]]:
+        """Leaf paths (keys as strings) of every committed `add`. Read from each save's tree metadata
+        file (`_METADATA`, key_metadata of each leaf): before `finish` a save's arrays are not yet
+        in the checkpoint's OCDBT manifest, so Orbax's metadata API cannot open them."""
+        paths: set[tuple[str, ...]] = set()
+        for save in ParamsWriter.committed_saves(directory):
+            tree = json.loads((save / "state" / "_METADATA").read_text())["tree_metadata"]
+            paths.update(tuple(str(k["key"]) for k in leaf["key_metadata"]) for leaf in tree.values())
+        return paths
+
+    @staticmethod
+    def drop_uncommitted(directory: Path) -> None:
+        """Removes whatever an `add` cut off by a kill left in `directory` (Orbax temp dirs beside
+        and inside the session), so the next `add` continues from the committed saves."""
+        import shutil
+
+        session = Path(directory) / f"{_PARTIAL}.partial_save"
+        committed = set(ParamsWriter.committed_saves(directory))
+        leftovers = [p for p in Path(directory).glob(f"{_PARTIAL}*") if p != session]
+        leftovers += [p for p in session.iterdir() if p not in committed] if session.is_dir() else []
+        for p in leftovers:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+
     def add(self, tree: dict) -> None:
         """Writes `tree` (numpy leaves at paths no earlier call wrote) and returns when it is on disk."""
         with self._ctx:

@@ -329,22 +329,28 @@ def test_mixed_dtype_needs_flag_and_output_dir_checks(hf_dir, tmp_path, capsys):
     assert not (out / "keep.txt").exists() and (out / MARKER).exists()
 
 
-def test_interrupted_conversion_leaves_nothing_loadable(hf_dir, tmp_path):
-    out = tmp_path / "killed"
+def _kill_after_first_group(hf_dir: Path, out: Path, *extra: str) -> Path:
+    """Runs the converter until its first group is on disk, SIGKILLs it, returns its temp dir."""
     env = {**os.environ, TEST_PAUSE_ENV: "120", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen([sys.executable, str(REPO / "convert_torch_ckpt.py"), "--input", str(hf_dir),
-                             "--output", str(out), "--no-progress"], stdout=subprocess.PIPE,
+                             "--output", str(out), "--no-progress", *extra], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, env=env, cwd=REPO, text=True)
     try:
         for line in proc.stdout:
             if "test pause" in line:
                 break
-        tmp = list(tmp_path.glob(".killed.farskip-tmp-*"))
+        tmp = list(out.parent.glob(f".{out.name}.farskip-tmp-*"))
         assert tmp and list(tmp[0].glob("*.partial_save"))  # really stopped mid-write
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
         proc.kill()
+    return tmp[0]
+
+
+def test_interrupted_conversion_leaves_nothing_loadable(hf_dir, tmp_path):
+    out = tmp_path / "killed"
+    _kill_after_first_group(hf_dir, out)
     assert not out.exists()
     with pytest.raises(CheckpointError):
         from_pretrained(out)
@@ -352,6 +358,43 @@ def test_interrupted_conversion_leaves_nothing_loadable(hf_dir, tmp_path):
     assert cli(["--input", str(hf_dir), "--output", str(out), "--no-progress"]) == 0
     assert not list(tmp_path.glob(".killed.farskip-tmp-*")) and (out / MARKER).exists()
     shutil.rmtree(out)
+
+
+def _saved_bits(directory: Path) -> dict:
+    import orbax.checkpoint as ocp
+
+    tree = ocp.StandardCheckpointer().restore((directory / "params").absolute())
+    return {jax.tree_util.keystr(k): np.asarray(v).view(np.uint8)
+            for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def test_resume_continues_a_killed_conversion_bitwise(hf_dir, orbax_dir, tmp_path, capsys):
+    out = tmp_path / "resumed"
+    tmp = _kill_after_first_group(hf_dir, out, "--mesh", "expert=8")
+    # Other settings than the killed run's: refused, and the temp dir is kept.
+    assert cli(["--input", str(hf_dir), "--output", str(out), "--mesh", "expert=8", "--dtype", "bf16",
+                "--resume", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "interrupted conversion of something else (dtype was 'float32', now 'bfloat16')" in err
+    assert tmp.is_dir()
+    assert cli(["--input", str(hf_dir), "--output", str(out), "--mesh", "expert=8", "--resume",
+                "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert f"resuming {out}: 1 of " in printed and "groups" in printed
+    assert not list(tmp_path.glob(".resumed.farskip-tmp-*"))
+    # Bitwise the uninterrupted conversion (orbax_dir: the same input and settings).
+    ref, got = _saved_bits(orbax_dir), _saved_bits(out)
+    assert sorted(got) == sorted(ref)
+    assert all(np.array_equal(got[k], ref[k]) for k in ref)
+    assert json.loads((out / MARKER).read_text()) == json.loads((orbax_dir / MARKER).read_text())
+    assert (out / "model_config.json").read_text() == (orbax_dir / "model_config.json").read_text()
+    assert not (out / "convert_plan.json").exists()
+    # Nothing to resume: starts from the beginning, with a message.
+    again = tmp_path / "fresh"
+    assert cli(["--input", str(hf_dir), "--output", str(again), "--mesh", "expert=8", "--resume",
+                "--no-progress"]) == 0
+    assert "no interrupted conversion" in capsys.readouterr().out
+    assert _saved_bits(again).keys() == ref.keys()
 
 
 # --------------------------------------------------------------------------------------------
