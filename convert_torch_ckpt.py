@@ -58,10 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "nothing")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     p.add_argument("--resume", action="store_true",
-                   help="HF -> Orbax: continue an interrupted (killed, Ctrl-C) conversion to --output "
-                        "from the last group it finished, refused if the input files or settings "
-                        "changed; the result is bitwise that of an uninterrupted run. Without it, an "
-                        "interrupted conversion's temp dir is removed and everything is written again")
+                   help="continue an interrupted (killed, Ctrl-C) conversion to --output from the last "
+                        "group (with --to-hf: shard) it finished, refused if the input files or "
+                        "settings changed; the result is bitwise that of an uninterrupted run. Without "
+                        "it, an interrupted conversion's temp dir is removed and everything is written "
+                        "again")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -82,10 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     common = dict(dtype=args.dtype, overrides=overrides, dry_run=args.dry_run, overwrite=args.overwrite,
                   progress=not args.no_progress)
     if args.to_hf:
-        if args.mesh or args.compress or args.resume:
-            raise UserError("--mesh, --compress and --resume apply to HF -> Orbax only; drop them with "
-                            "--to-hf")
-        convert_orbax_to_hf(args.input, args.output, max_shard_size=args.max_shard_size, **common)
+        if args.mesh or args.compress:
+            raise UserError("--mesh and --compress apply to HF -> Orbax only; drop them with --to-hf")
+        convert_orbax_to_hf(args.input, args.output, max_shard_size=args.max_shard_size, resume=args.resume,
+                            **common)
     else:
         convert_hf_to_orbax(args.input, args.output, mesh=parse_mesh(args.mesh), compress=args.compress,
                             resume=args.resume, **common)

@@ -65,11 +65,15 @@ from farskip_jax.checkpoint.orbax_io import (
 )
 from farskip_jax.config import ConfigError, ModelConfig, override, to_dict
 
-# Test hook: seconds to sleep after the first group is written (to SIGKILL a conversion mid-write).
+# Test hook: seconds to sleep after the first group (with --to-hf: shard) is written, to SIGKILL a
+# conversion mid-write.
 TEST_PAUSE_ENV = "FARSKIP_CONVERT_TEST_PAUSE_S"
 DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
 _TMP_TAG = ".farskip-tmp-"
 PLAN_FILE = "convert_plan.json"  # in the temp dir only: what an interrupted conversion was writing
+# In an Orbax -> HF temp dir only: the safetensors shards complete on disk (each name appended after
+# its fdatasync), so that a resumed export starts at the first shard not listed.
+SHARDS_DONE = "shards_done.txt"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,7 +273,8 @@ def atomic_output_dir(output: Path, log: Callable[[str], None] = print, plan: di
                       resume: bool = False) -> Iterator[Path]:
     """Yields a temp dir next to `output`, renamed to `output` only when the body succeeds.
 
-    `plan` (what is being converted, `conversion_plan`) is written into the temp dir first. With
+    `plan` (what is being converted: `conversion_plan`, `to_hf.export_plan`) is written into the
+    temp dir first. With
     `resume`, the temp dir of an interrupted conversion (its pid is gone) with the same plan is
     taken over instead of a new one; without, such dirs are removed. A body that fails after
     writing keeps its temp dir for a later `resume`.
@@ -306,13 +311,14 @@ def atomic_output_dir(output: Path, log: Callable[[str], None] = print, plan: di
     try:
         yield tmp
     except BaseException:
-        if plan is not None and ParamsWriter.committed_saves(tmp):
+        if plan is not None and (ParamsWriter.committed_saves(tmp) or (tmp / SHARDS_DONE).is_file()):
             log(f"conversion stopped; what was written is kept in {tmp}: rerun the same command with "
                 "--resume to continue it")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     (tmp / PLAN_FILE).unlink(missing_ok=True)
+    (tmp / SHARDS_DONE).unlink(missing_ok=True)
     if output.exists():
         # Rename the old output away first, so the output name always holds a complete checkpoint.
         old = output.parent / f".{output.name}.farskip-old-{os.getpid()}"
@@ -332,7 +338,7 @@ def conversion_plan(src: Path, source: TensorSource, dtype: str, overrides: dict
     """What a conversion writes, as JSON: a resumed run must match it exactly (the same input files,
     byte for byte by size and modification time, and the same settings)."""
     files = sorted({src / "config.json", *source.key_to_file.values()})
-    return {"version": VERSION, "source": str(src.resolve()), "dtype": dtype,
+    return {"direction": "hf-to-orbax", "version": VERSION, "source": str(src.resolve()), "dtype": dtype,
             "overrides": {k: overrides[k] for k in sorted(overrides)}, "compress": compress, "mesh": mesh,
             "files": {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}}
 
@@ -367,10 +373,11 @@ def progress_bar(total: int, desc: str, enabled: bool):
                 dynamic_ncols=True)
 
 
-def _test_pause() -> None:
+def pause_for_tests(what: str) -> None:
+    """Sleeps TEST_PAUSE_ENV seconds (if set) after the first `what` is on disk."""
     pause = float(os.environ.get(TEST_PAUSE_ENV, "0") or 0)
     if pause > 0:
-        print("farskip-convert: test pause after the first group", flush=True)
+        print(f"farskip-convert: test pause after the first {what}", flush=True)
         time.sleep(pause)
 
 
@@ -522,7 +529,7 @@ def convert_hf_to_orbax(input_dir: str | Path, output_dir: str | Path, *, dtype:
                 del tree
                 bar.update(nbytes)
                 if gi == 0:
-                    _test_pause()
+                    pause_for_tests("group")
         writer.finish()
         marker = {"format": FORMAT, "version": VERSION, "dtype": dtype, "item": PARAMS_ITEM,
                   "params": [{"path": list(s.path), "shape": list(s.shape)} for s in specs],

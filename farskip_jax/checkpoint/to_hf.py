@@ -36,6 +36,7 @@ from farskip_jax import hf_config
 from farskip_jax.checkpoint import hf_tokenizer
 from farskip_jax.checkpoint.common import copy_into, nest_get, nest_set, raise_problems
 from farskip_jax.checkpoint.convert import (
+    SHARDS_DONE,
     Group,
     Summary,
     atomic_output_dir,
@@ -43,6 +44,7 @@ from farskip_jax.checkpoint.convert import (
     hf_key_label,
     output_errors,
     parse_dtype,
+    pause_for_tests,
     progress_bar,
 )
 from farskip_jax.checkpoint.hf_io import CheckpointError, np_dtype
@@ -216,17 +218,52 @@ class ShardWriter:
         return self.pos == len(self.entries)
 
     def close(self) -> None:
-        """Flushes to disk (fdatasync) before closing: the output is renamed into place as complete."""
+        """Flushes to disk (fdatasync) before closing, then lists the shard in SHARDS_DONE (also
+        synced): a listed shard is complete whatever stops the export afterwards."""
         self.fh.flush()
         os.fdatasync(self.fh.fileno())
         self.fh.close()
+        with open(self.path.parent / SHARDS_DONE, "a") as done:
+            done.write(self.path.name + "\n")
+            done.flush()
+            os.fdatasync(done.fileno())
+
+
+def shard_bytes(entries: list[Entry], itemsize: int) -> int:
+    """Planned data bytes of a shard (its header comes on top)."""
+    return sum(int(np.prod(shape)) * itemsize for _, shape in entries)
+
+
+def shards_on_disk(tmp: Path, names: list[str], shards: list[list[Entry]], itemsize: int) -> int:
+    """How many of the planned shards an interrupted export finished: the longest prefix of `names`
+    listed in SHARDS_DONE whose files are still there and no shorter than their data."""
+    listed = set((tmp / SHARDS_DONE).read_text().split()) if (tmp / SHARDS_DONE).is_file() else set()
+    k = 0
+    while (k < len(names) and names[k] in listed and (tmp / names[k]).is_file()
+           and (tmp / names[k]).stat().st_size > shard_bytes(shards[k], itemsize)):
+        k += 1
+    # The list names only what is kept: a shard after the prefix is written again from its start.
+    (tmp / SHARDS_DONE).write_text("".join(n + "\n" for n in names[:k]))
+    return k
+
+
+def export_plan(src: Path, out_dtype: str, overrides: dict[str, Any], max_shard_size: str) -> dict:
+    """What an export writes, as JSON: a resumed export must match it exactly (the same checkpoint
+    files by size and modification time, and the same settings)."""
+    files = sorted(f for f in src.rglob("*") if f.is_file())
+    return {"direction": "orbax-to-hf", "source": str(src.resolve()), "dtype": out_dtype,
+            "overrides": {k: overrides[k] for k in sorted(overrides)}, "max_shard_size": max_shard_size,
+            "files": {str(f.relative_to(src)): [f.stat().st_size, f.stat().st_mtime_ns] for f in files}}
 
 
 def convert_orbax_to_hf(input_dir: str | Path, output_dir: str | Path, *, dtype: str | None = None,
                         overrides: dict[str, Any] | None = None, max_shard_size: str = "5GB",
                         dry_run: bool = False, overwrite: bool = False, progress: bool = True,
-                        log: Callable[[str], None] = print) -> Summary:
-    """A converted or training checkpoint -> HF safetensors shards + index + config.json."""
+                        resume: bool = False, log: Callable[[str], None] = print) -> Summary:
+    """A converted or training checkpoint -> HF safetensors shards + index + config.json.
+
+    `resume`: continue an interrupted export of the same checkpoint with the same settings from the
+    first shard it had not finished; the result is bitwise the uninterrupted one."""
     src, out = Path(input_dir), Path(output_dir)
     reader = ParamsReader(src, **(overrides or {}))
     out_dtype = parse_dtype(dtype) or reader.stored_dtype
@@ -250,28 +287,44 @@ def convert_orbax_to_hf(input_dir: str | Path, output_dir: str | Path, *, dtype:
     names = (["model.safetensors"] if n == 1
              else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
     weight_map = {k: names[i] for i, sh in enumerate(shards) for k, _ in sh}
-    with atomic_output_dir(out, log) as tmp, progress_bar(total, "Orbax -> HF", progress) as bar:
-        shard_i, writer = 0, ShardWriter(tmp / names[0], shards[0], out_dtype)
+    shard_of = {k: i for i, sh in enumerate(shards) for k, _ in sh}
+    plan = export_plan(src, out_dtype, overrides or {}, max_shard_size)
+    with (atomic_output_dir(out, log, plan=plan, resume=resume) as tmp,
+          progress_bar(total, "Orbax -> HF", progress) as bar):
+        first = shards_on_disk(tmp, names, shards, itemsize)  # 0 unless resumed
+        # Groups whose tensors all lie in finished shards are not read again.
+        todo = [g for g in groups if any(shard_of[k] >= first for k, _ in hf_entries(list(g.specs)))]
+        if first:
+            done_bytes = sum(shard_bytes(sh, itemsize) for sh in shards[:first])
+            log(f"resuming {out}: {first} of {n} shards ({done_bytes / 1e9:.3f} GB) already written")
+            bar.update(total - sum(int(np.prod(s.shape)) * itemsize for g in todo for s in g.specs))
+        shard_i = first
+        writer = ShardWriter(tmp / names[first], shards[first], out_dtype) if first < n else None
         # Restoring group i+1 (TensorStore's threads) overlaps writing group i: two groups in memory.
         with ThreadPoolExecutor(1, thread_name_prefix="farskip-restore") as pool:
-            pending = pool.submit(reader.read, groups[0])
-            for gi, group in enumerate(groups):
+            pending = pool.submit(reader.read, todo[0]) if todo else None
+            for gi, group in enumerate(todo):
                 bar.set_postfix_str(f"writing {group.name}")
                 tree = pending.result()
-                if gi + 1 < len(groups):
-                    pending = pool.submit(reader.read, groups[gi + 1])
+                if gi + 1 < len(todo):
+                    pending = pool.submit(reader.read, todo[gi + 1])
                 fused = FusedJoin()  # a fused tensor's parts are in one group
                 for spec in group.specs:
                     arr = np.asarray(nest_get(tree, spec.path)).astype(np_dtype(out_dtype), copy=False)
                     for key, t in fused.add(spec, spec.to_hf(arr)):
+                        if shard_of[key] < first:
+                            continue  # in a shard the interrupted export finished
                         if writer.done:
                             writer.close()
+                            if shard_i == first:
+                                pause_for_tests("shard")
                             shard_i += 1
                             writer = ShardWriter(tmp / names[shard_i], shards[shard_i], out_dtype)
                         writer.write(key, t)
                     bar.update(arr.nbytes)
                 del tree
-        writer.close()
+        if writer is not None:
+            writer.close()
         if n > 1:
             (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                 indent=2) + "\n")

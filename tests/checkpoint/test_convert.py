@@ -329,10 +329,11 @@ def test_mixed_dtype_needs_flag_and_output_dir_checks(hf_dir, tmp_path, capsys):
     assert not (out / "keep.txt").exists() and (out / MARKER).exists()
 
 
-def _kill_after_first_group(hf_dir: Path, out: Path, *extra: str) -> Path:
-    """Runs the converter until its first group is on disk, SIGKILLs it, returns its temp dir."""
+def _kill_after_first_group(src: Path, out: Path, *extra: str) -> Path:
+    """Runs the converter until its first group (with --to-hf: shard) is on disk, SIGKILLs it,
+    returns its temp dir."""
     env = {**os.environ, TEST_PAUSE_ENV: "120", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen([sys.executable, str(REPO / "convert_torch_ckpt.py"), "--input", str(hf_dir),
+    proc = subprocess.Popen([sys.executable, str(REPO / "convert_torch_ckpt.py"), "--input", str(src),
                              "--output", str(out), "--no-progress", *extra], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, env=env, cwd=REPO, text=True)
     try:
@@ -340,7 +341,10 @@ def _kill_after_first_group(hf_dir: Path, out: Path, *extra: str) -> Path:
             if "test pause" in line:
                 break
         tmp = list(out.parent.glob(f".{out.name}.farskip-tmp-*"))
-        assert tmp and list(tmp[0].glob("*.partial_save"))  # really stopped mid-write
+        # Really stopped mid-write: an Orbax partial save, or one finished shard of several.
+        shards_done = tmp[0] / "shards_done.txt" if tmp else None
+        assert tmp and (list(tmp[0].glob("*.partial_save")) or
+                        shards_done.read_text().split() == ["model-00001-of-00006.safetensors"])
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
@@ -395,6 +399,28 @@ def test_resume_continues_a_killed_conversion_bitwise(hf_dir, orbax_dir, tmp_pat
                 "--no-progress"]) == 0
     assert "no interrupted conversion" in capsys.readouterr().out
     assert _saved_bits(again).keys() == ref.keys()
+
+
+def test_to_hf_resume_continues_a_killed_export_bitwise(orbax_dir, tmp_path, capsys):
+    """--to-hf --resume: killed after its first of six shards, refused with another shard size, then
+    continued from the second shard; every file equals an uninterrupted export's, byte for byte."""
+    shard = ["--max-shard-size", "40KB"]
+    ref = tmp_path / "ref"
+    assert cli(["--to-hf", "--input", str(orbax_dir), "--output", str(ref), *shard, "--no-progress"]) == 0
+    assert len(list(ref.glob("*.safetensors"))) == 6
+    capsys.readouterr()
+    out = tmp_path / "resumed"
+    tmp = _kill_after_first_group(orbax_dir, out, "--to-hf", *shard)
+    assert cli(["--to-hf", "--input", str(orbax_dir), "--output", str(out), "--max-shard-size", "30KB",
+                "--resume", "--no-progress"]) == 2
+    assert "(max_shard_size was '40KB', now '30KB')" in capsys.readouterr().err
+    first = (tmp / "model-00001-of-00006.safetensors").stat().st_mtime_ns
+    assert cli(["--to-hf", "--input", str(orbax_dir), "--output", str(out), *shard, "--resume",
+                "--no-progress"]) == 0
+    assert f"resuming {out}: 1 of 6 shards" in capsys.readouterr().out
+    assert (out / "model-00001-of-00006.safetensors").stat().st_mtime_ns == first  # not written again
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in ref.iterdir())
+    assert all((out / p.name).read_bytes() == p.read_bytes() for p in ref.iterdir())
 
 
 # --------------------------------------------------------------------------------------------
