@@ -12,3 +12,17 @@ import jax  # noqa: E402
 _cache = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache")
 jax.config.update("jax_compilation_cache_dir", _cache)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+import pytest  # noqa: E402
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test module's `SLOW_CASES` (parametrization ids, fixture parameters included, such as
+    "regular-ep4") are marked `slow`: the way to keep one combination of a fixture's and a test's
+    parameters out of the default suite, which `pytest.param(marks=...)` cannot express."""
+    for item in items:
+        slow_cases = getattr(item.module, "SLOW_CASES", ())
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.id in slow_cases:
+            item.add_marker(pytest.mark.slow)

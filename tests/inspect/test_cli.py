@@ -29,10 +29,12 @@ def _clean_env() -> dict[str, str]:
 
 @pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None,
                     reason="jax-cuda13-pjrt not installed")
-def test_clean_environment_h200_train(tmp_path: Path) -> None:
+def test_clean_environment_h200_fcsd(tmp_path: Path) -> None:
+    """`inspect --mode fcsd` (the step `train.py` runs: the student's forward and backward plus the
+    frozen teacher's forward) in a clean environment, on the 4-layer tiny model (3 MoE layers)."""
     out = tmp_path / "insp"
-    res = subprocess.run([sys.executable, "-m", "farskip_jax", "inspect", *TINY, "--target", "h200",
-                          "--mode", "train", "--out", str(out)],
+    res = subprocess.run([sys.executable, "-m", "farskip_jax", "inspect", *TINY,
+                          "--target", "h200", "--mode", "fcsd", "--out", str(out)],
                          cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     # no plugin tracebacks: cuDNN check skipped (cpu platforms), ROCm's "No AMD GPUs" dropped
@@ -63,6 +65,15 @@ def test_clean_environment_h200_train(tmp_path: Path) -> None:
     assert t["by_direction"]["fwd"]["count"] > 0 and t["by_direction"]["bwd"]["count"] > 0
     assert "compile" in res.stdout and "peak" in res.stdout
 
+    # The teacher is in the program: Dispatch/Combine row exchanges (not the small count exchanges)
+    # forward 3 MoE layers x 2 exchanges x (student, teacher), backward the student's only.
+    rows = [c for c in rep["collectives"] if c["kind"] in ("all-to-all", "ragged-all-to-all")
+            and c["role"] in ("dispatch", "combine") and c["bytes"] >= 32 * 32 * 4]
+    fwd = [c for c in rows if c["direction"] == "fwd"]
+    bwd = [c for c in rows if c["direction"] == "bwd"]
+    assert len(fwd) == 3 * 2 * 2 and len(bwd) == 3 * 2, (len(fwd), len(bwd))
+    assert sorted(c["layer"] for c in fwd) == [1] * 4 + [2] * 4 + [3] * 4
+
 
 def test_user_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--config", "no_such_config"]) == 2
@@ -73,32 +84,6 @@ def test_user_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert len(err) == 1 and "unknown config key 'model.bogus'" in err[0]
     assert cli.main(["--config", "tiny", "--seq-len", "0"]) == 2
     assert "must be positive" in capsys.readouterr().err
-
-
-@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None,
-                    reason="jax-cuda13-pjrt not installed")
-def test_fcsd_mode_compiles_the_trainers_step_with_its_teacher(tmp_path: Path) -> None:
-    """--mode fcsd compiles train.program.abstract_train_step: the student's forward and backward
-    plus the frozen teacher's forward. Counted on the Dispatch/Combine row exchanges of a 3-layer
-    tiny model (2 MoE layers): forward 2 layers x 2 exchanges x (student, teacher), backward the
-    student's only."""
-    from farskip_jax.config import load_config, parse_overrides
-    from farskip_jax.inspect import steps
-
-    cfg = load_config("tiny_farskip", parse_overrides(["model.qk_rope_head_dim=8", "model.num_layers=3"]))
-    assert cfg.train.mode == "fcsd" and cfg.train.teacher_cache is None
-    parser = cli.add_inspect_args(argparse.ArgumentParser())
-    args = parser.parse_args(["--target", "h200", "--modes", "farskip", "--no-timeline", "--no-save-hlo",
-                              "--out", str(tmp_path)])
-    args.mesh = {"data": 1, "expert": 8, "tensor": 1}
-    rep = cli.run_inspect(args, steps.build_fcsd_step(cfg, seqs_per_device=1, seq_len=32))["farskip"]
-    rows = [c for c in rep["collectives"] if c["kind"] in ("all-to-all", "ragged-all-to-all")
-            and c["role"] in ("dispatch", "combine") and c["bytes"] >= 32 * 32 * 4]
-    fwd = [c for c in rows if c["direction"] == "fwd"]
-    bwd = [c for c in rows if c["direction"] == "bwd"]
-    assert len(fwd) == 2 * 2 * 2 and len(bwd) == 2 * 2
-    assert sorted(c["layer"] for c in fwd) == [1] * 4 + [2] * 4
-    assert rep["memory"]["peak_bytes_per_device"] > 0
 
 
 def test_local_target_compiles_for_this_machines_devices(tmp_path: Path) -> None:

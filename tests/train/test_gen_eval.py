@@ -81,6 +81,10 @@ def _answer_file(tiny_data: dict[str, str], path: Path, n: int = 8) -> Path:
 RUN = {"train.total_steps": 6, "train.eval_every": 2, "train.checkpoint_every": 100, "train.warmup_steps": 1}
 
 
+# slow (CI time budget): the default suite keeps early stopping in the trainer's loop
+# (tests/train/test_trainer.py::test_early_stopping_in_loop) and the generation metrics, sandbox and
+# file checks below.
+@pytest.mark.slow
 def test_trainer_evaluates_and_stops_on_generation(tiny_data, overrides, tmp_path):
     """exact_match by free-running greedy decoding is logged and drives early stopping."""
     answers = _answer_file(tiny_data, tmp_path / "answers.jsonl")

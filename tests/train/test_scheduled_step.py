@@ -42,6 +42,10 @@ def _losses(out) -> list[float]:
     return [r["loss"] for r in rows if r["kind"] == "train"]
 
 
+# slow (CI time budget: two trainer runs): the default suite keeps the trainer's call into the
+# profile compile (test_auto_falls_back_..., below) and the profile compile itself
+# (tests/inspect/test_pgle.py).
+@pytest.mark.slow
 def test_trainer_runs_the_profile_compiled_step(tiny_data, overrides, tmp_path, monkeypatch):
     calls = []
 

@@ -65,6 +65,8 @@ def _step(setup, mode: str, accum: int, **spec_kw):
     return new_state, metrics
 
 
+# slow (CI time budget): train.grad_accum_steps is 1 in every bundled config.
+@pytest.mark.slow
 def test_gradient_accumulation_equals_one_big_batch(setup):
     one, m1 = _run(setup, "fcsd", accum=1)
     two, m2 = _run(setup, "fcsd", accum=2)
