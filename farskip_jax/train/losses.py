@@ -59,12 +59,21 @@ def _token_kl(t_logits: Array, s_logits: Array, temperature: float) -> Array:
     t = t_logits.astype(jnp.float32) / temperature
     s = s_logits.astype(jnp.float32) / temperature
     t_lse = jax.nn.logsumexp(t, axis=-1, keepdims=True)
-    d = (t - s) - (t_lse - jax.nn.logsumexp(s, axis=-1, keepdims=True))
-    t_p = jnp.exp(t - t_lse)
-    # t_p is exactly 0 only where the teacher logit is -inf; there d is -inf and 0 * (d + expm1(-d))
-    # is NaN, in the value and in the gradient, so d is replaced by 0 there first (0 log 0 = 0).
+    s_lse = jax.nn.logsumexp(s, axis=-1, keepdims=True)
+    return jnp.sum(_kl_terms(t - t_lse, s - s_lse, (t - s) - (t_lse - s_lse)), axis=-1)
+
+
+def _kl_terms(t_logp: Array, s_logp: Array, d: Array) -> Array:
+    """The non-negative terms p (d + expm1(-d)) of a KL whose bins' p and q each sum to one, given
+    both log-probabilities and d = log p - log q (computed by the caller with the least rounding).
+
+    Where p is exactly 0 (a teacher log-prob of -inf) the term's limit is q, not 0: sum_i q_i = 1
+    holds only with those bins' q included. d is replaced there first, because 0 * (d + expm1(-d))
+    with d = -inf is NaN in the value and in the gradient (the unselected branch of a `where` must
+    stay finite)."""
+    t_p = jnp.exp(t_logp)
     d = jnp.where(t_p > 0, d, 0.0)
-    return jnp.sum(t_p * (d + jnp.expm1(-d)), axis=-1)
+    return jnp.where(t_p > 0, t_p * (d + jnp.expm1(-d)), jnp.exp(s_logp))
 
 
 def _kl_result(
@@ -144,18 +153,30 @@ def _token_topk_kl(
     the student is tempered here. Bins: the k ids, and "everything else" with teacher mass
     ``1 - sum p_topk`` and student mass ``1 - sum q_topk``. Coarse-graining can only lower a KL
     (data-processing inequality), so this is <= the full KL, and equal to it when k == vocab.
+
+    Summed as the non-negative terms of `_kl_terms`, like the full KL. The student's tail is the
+    log-sum-exp of its logits outside the k ids, not 1 - sum q_topk: it is then exact to its own
+    relative precision instead of to ~1e-7 absolute, which the tail term would carry whole.
     """
     t_logp = t_topk_logp.astype(jnp.float32)
-    s_logp_all = jax.nn.log_softmax(s_logits.astype(jnp.float32) / temperature, axis=-1)
-    s_logp = jnp.take_along_axis(s_logp_all, t_ids.astype(jnp.int32), axis=-1)
-    t_p = jnp.exp(t_logp)
-    head = jnp.sum(jnp.where(t_p > 0, t_p * (t_logp - s_logp), 0.0), axis=-1)
-    t_mass = jnp.sum(t_p, axis=-1)
-    # Tail masses in log space; the teacher's can be 0 (k == vocab) and then its term is 0 by 0 log 0 = 0.
-    t_tail_logp = _log1mexp(jax.nn.logsumexp(t_logp, axis=-1))
-    s_tail_logp = jnp.maximum(_log1mexp(jax.nn.logsumexp(s_logp, axis=-1)), jnp.log(_TAIL_EPS))
+    s = s_logits.astype(jnp.float32) / temperature
+    s_lse = jax.nn.logsumexp(s, axis=-1, keepdims=True)
+    ids = t_ids.astype(jnp.int32)
+    s_logp = jnp.take_along_axis(s, ids, axis=-1) - s_lse
+    head = jnp.sum(_kl_terms(t_logp, s_logp, t_logp - s_logp), axis=-1)
+    t_mass = jnp.sum(jnp.exp(t_logp), axis=-1)
+    if ids.shape[-1] == s.shape[-1]:
+        # Every id is in the top-k: no tail bin. Its teacher mass, 1 - t_mass, would be the cached
+        # log-probs' rounding (~1e-7 per token, the size of a close student's whole KL).
+        return head, t_mass
+    in_topk = jnp.put_along_axis(jnp.zeros(s.shape, bool), ids, True, axis=-1, inplace=False)
+    s_tail_logp = jax.nn.logsumexp(jnp.where(in_topk, -jnp.inf, s), axis=-1) - s_lse[..., 0]
     t_tail = jnp.clip(1.0 - t_mass, 0.0, 1.0)
-    tail = jnp.where(t_tail > _TAIL_EPS, t_tail * (t_tail_logp - s_tail_logp), 0.0)
+    d = _log1mexp(jax.nn.logsumexp(t_logp, axis=-1)) - jnp.maximum(s_tail_logp, jnp.log(_TAIL_EPS))
+    # A teacher tail below the clamp counts as that mass with its p log(p / q) taken as 0: the term
+    # p d + q - p becomes q - p (the identity sum p = sum q = 1 needs the -p).
+    d = jnp.where(t_tail > _TAIL_EPS, d, 0.0)
+    tail = jnp.where(t_tail > _TAIL_EPS, t_tail * (d + jnp.expm1(-d)), jnp.exp(s_tail_logp) - t_tail)
     return head + tail, t_mass
 
 
