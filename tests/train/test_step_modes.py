@@ -90,6 +90,8 @@ def test_sft_loss_is_masked_cross_entropy(setup):
     assert abs(float(m["loss"]) - expected) < 1e-5
 
 
+# slow (CI time budget): train.hidden_l2_weight is 0 and train.aux_loss false in every bundled config.
+@pytest.mark.slow
 def test_hidden_l2_and_aux_terms_add_to_the_kl(setup):
     _, base = _run(setup, "fcsd", accum=1)
     _, both = _run(setup, "fcsd", accum=1, hidden_l2_weight=0.5, aux_loss=True)
