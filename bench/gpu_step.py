@@ -58,16 +58,16 @@ def main() -> None:
         batch["loss_mask"] = jnp.ones_like(ids)
         batch["segment_ids"] = jnp.ones_like(ids)
         batch["positions"] = jnp.broadcast_to(jnp.arange(args.seq_len, dtype=jnp.int32), ids.shape)
-        one = jnp.ones((), jnp.float32)
+        one, zero = jnp.ones((), jnp.float32), jnp.zeros((), jnp.float32)
         t0 = time.perf_counter()
-        compiled = step.lower(state, None, batch, one).compile()
+        compiled = step.lower(state, None, batch, one, zero).compile()
         compile_s = time.perf_counter() - t0
         est = hlo.analyze(compiled.as_text(), args.target)
-        state, m = compiled(state, None, batch, one)
+        state, m = compiled(state, None, batch, one, zero)
         jax.block_until_ready(m["loss"])
         t0 = time.perf_counter()
         for _ in range(args.steps):
-            state, m = compiled(state, None, batch, one)
+            state, m = compiled(state, None, batch, one, zero)
         jax.block_until_ready(m["loss"])
         dt = (time.perf_counter() - t0) / args.steps
         stats = jax.devices()[0].memory_stats() or {}

@@ -214,15 +214,15 @@ def run_jax(state: Any, step_fn: Any, ids: np.ndarray, warmup: int,
             steps: int) -> tuple[Result, Any, Callable[[], float]]:
     """Compiles and times our step; returns the result, the compiled step and one more step."""
     batch = jax_batch(ids)
-    one = jnp.ones((), jnp.float32)
+    one, zero = jnp.ones((), jnp.float32), jnp.zeros((), jnp.float32)
     box = {"state": state}
     t0 = time.perf_counter()
-    compiled = step_fn.lower(box["state"], None, batch, one).compile()
+    compiled = step_fn.lower(box["state"], None, batch, one, zero).compile()
     compile_s = time.perf_counter() - t0
     print(f"  ours: compile {compile_s:.1f} s", flush=True)
 
     def step() -> float:
-        box["state"], m = compiled(box["state"], None, batch, one)
+        box["state"], m = compiled(box["state"], None, batch, one, zero)
         return float(m["loss"])
 
     losses, first, times, usage = timed_loop(step, warmup, steps, "ours")

@@ -86,7 +86,7 @@ class TrainProgram:
     schedule: optax.Schedule
     shardings: StepShardings
     teacher_shardings: Any
-    train_step: Any  # jitted: step(state, teacher_params, batch, loss_scale) -> (state, metrics)
+    train_step: Any  # jitted: step(state, teacher_params, batch, loss_scale, after_void) -> (state, metrics)
 
     @property
     def needs_teacher(self) -> bool:
@@ -187,9 +187,10 @@ def abstract_train_step(cfg: Config, mesh: Mesh, seqs_per_device: int, seq_len: 
 
     Arguments: (state with ZeRO-1 optimizer-state shardings, teacher params in `train.teacher_dtype`
     or None when the loss needs no teacher, batch [A, B, T] with B = seqs_per_device x data x expert,
-    loss_scale). `step.lower(*args).compile()` builds the trainer's program without any device.
+    loss_scale, after_void). `step.lower(*args).compile()` builds the trainer's program without any
+    device.
     """
     prog = build_program(cfg, mesh)
     batch = prog.abstract_batch(seqs_per_device * batch_devices(mesh), seq_len)
-    loss_scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=prog.shardings.scalar)
-    return prog.train_step, (prog.abstract_state(), prog.abstract_teacher(), batch, loss_scale)
+    scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=prog.shardings.scalar)
+    return prog.train_step, (prog.abstract_state(), prog.abstract_teacher(), batch, scalar, scalar)

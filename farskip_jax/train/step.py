@@ -188,13 +188,19 @@ def make_train_step(spec: LossSpec, s_graph: nnx.GraphDef, t_graph: nnx.GraphDef
                     tx: optax.GradientTransformation, schedule: optax.Schedule, parallel: Any = None,
                     shardings: StepShardings | None = None
                     ) -> Callable[..., tuple[State, dict[str, jax.Array]]]:
-    """`step(state, teacher_params, batch, loss_scale) -> (state, metrics)`, jitted, state donated.
+    """`step(state, teacher_params, batch, loss_scale, after_void) -> (state, metrics)`, jitted, state
+    donated.
 
     state = {"params", "opt_state", "step", "skipped"}. A non-finite loss or gradient norm leaves
     params and optimizer state untouched (a lax.cond around the whole update) and increments "skipped".
     An overflow of a bounded routed-expert buffer (metrics["moe_overflow"] > 0; `parallel.bounded`)
-    leaves the whole state untouched, counters included: the caller runs the same batch again with
-    the worst-case step (`parallel.worst_case()`), which then counts as the step.
+    makes the step void: the whole state is left untouched, counters included, and the caller runs
+    the same batch again with the worst-case step (`parallel.worst_case()`), which then counts as the
+    step. `metrics["void"]` is 1.0 for a void step; passed as the next step's `after_void`, it makes
+    that step void too. That is what lets the caller dispatch step i+1 before it reads step i's
+    metrics (the device never waits for the host) and still apply the batches in order: when step i
+    overflowed, i+1 changed nothing either, and both are run again (i with the worst-case buffers).
+    `after_void` is 0.0 for the first step and for every re-run.
     `loss_scale` is 1.0 except in fault-injection tests (NaN poisons the gradient).
 
     With `shardings`, the step reads the parameters in `shardings.compute` and constrains every
@@ -212,7 +218,8 @@ def make_train_step(spec: LossSpec, s_graph: nnx.GraphDef, t_graph: nnx.GraphDef
         to_param = lambda tree: jax.lax.with_sharding_constraint(tree, shardings.params)
         to_compute = lambda tree: jax.lax.with_sharding_constraint(tree, shardings.compute)
 
-    def step(state: State, t_params: nnx.State | None, batch: Batch, loss_scale: jax.Array):
+    def step(state: State, t_params: nnx.State | None, batch: Batch, loss_scale: jax.Array,
+             after_void: jax.Array):
         params = to_compute(state["params"])
         num_micro = batch["input_ids"].shape[0]
         normalizer = jnp.maximum(jnp.sum(token_mask(spec, batch).astype(jnp.float32)), 1.0)
@@ -238,9 +245,9 @@ def make_train_step(spec: LossSpec, s_graph: nnx.GraphDef, t_graph: nnx.GraphDef
         # no scaled copy of the gradients is materialised.
         scaled = lambda tree: jax.tree.map(lambda g: g * loss_scale, tree)
         gnorm = optax.tree.norm(scaled(grads))
-        overflow = msum["moe_overflow"] > 0
+        void = (msum["moe_overflow"] > 0) | (after_void > 0)
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-        ok = finite & ~overflow
+        ok = finite & ~void
 
         # The update runs in the gradients' layout: each device updates its slice of every weight.
         def apply(p: nnx.State, opt_state: Any) -> tuple[nnx.State, Any]:
@@ -256,12 +263,12 @@ def make_train_step(spec: LossSpec, s_graph: nnx.GraphDef, t_graph: nnx.GraphDef
         # of every expert stack); under the cond only the taken branch runs, updating in place.
         new_params, new_opt = jax.lax.cond(ok, apply, keep, state["params"], state["opt_state"])
         applied = jnp.asarray(state["step"] - state["skipped"], jnp.int32)
-        counted = (~overflow).astype(jnp.int32)  # a void step is not a step: it is run again
+        counted = (~void).astype(jnp.int32)  # a void step is not a step: it is run again
         new_state = {"params": to_param(new_params), "opt_state": new_opt,
                      "step": state["step"] + counted,
-                     "skipped": state["skipped"] + (~finite & ~overflow).astype(jnp.int32)}
+                     "skipped": state["skipped"] + (~finite & ~void).astype(jnp.int32)}
         metrics = {"loss": loss, "grad_norm": gnorm, "ok": finite, "num_tokens": normalizer,
-                   "lr": schedule(applied), **msum}
+                   "lr": schedule(applied), "void": void.astype(jnp.float32), **msum}
         return new_state, metrics
 
     kw: dict[str, Any] = {"donate_argnums": (0,)}

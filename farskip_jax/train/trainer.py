@@ -9,6 +9,7 @@ Test hooks (environment variables, read once per run; they exist so tests can cr
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -34,6 +35,15 @@ from farskip_jax.train.teacher_cache import TeacherCache
 from farskip_jax.train.zero1 import batch_devices
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A dispatched train step whose metrics the loop has not read yet."""
+
+    item: batches.PrefetchedBatch
+    scale: jax.Array  # its loss_scale, for a re-run
+    metrics: dict[str, jax.Array]
 
 
 class NonFiniteError(RuntimeError):
@@ -148,8 +158,9 @@ class Trainer:
         # and were run again with the worst-case program (model.moe_buffer_factor)
         self.counts = {"nonfinite_skipped": 0, "spikes": 0, "nonfinite_in_row": 0, "moe_overflow_reruns": 0}
         self._consumed_data_state: dict[str, Any] | None = None  # set by the loop (`_data_state`)
-        # host time per step: making the batch (in the prefetch thread) and the loop waiting for it
-        self.host_times = {"batch_s": 0.0, "wait_s": 0.0, "steps": 0}
+        # host time per step: making the batch (in the prefetch thread), the loop waiting for it, the
+        # loop's own work (dispatch, bookkeeping, logs) and the loop blocked on the device's metrics
+        self.host_times = {"batch_s": 0.0, "wait_s": 0.0, "loop_s": 0.0, "read_s": 0.0, "steps": 0}
 
     def _make_batch(self, step: int) -> batches.PrefetchedBatch:
         """Step `step`'s batch on the mesh (runs in the prefetch thread)."""
@@ -293,11 +304,43 @@ class Trainer:
         return vals
 
     def _host_gap(self) -> dict[str, float]:
-        """Mean host milliseconds per step so far: making a batch (overlapped with the device by the
-        prefetch thread) and the loop waiting for one (what the device may have waited)."""
+        """Mean host milliseconds per step so far. batch: making it (in the prefetch thread); wait: the
+        loop waiting for it; loop: the loop's own work (dispatching the step, reading its metrics into
+        counters, logs and the progress bar), which the device spends running the next step except at
+        checkpoints and evaluations (a serial loop left it idle for all of batch + loop); read: the
+        loop blocked on a step's metrics, i.e. the device busy."""
         n = max(self.host_times["steps"], 1)
-        return {"host_batch_ms": 1e3 * self.host_times["batch_s"] / n,
-                "host_wait_ms": 1e3 * self.host_times["wait_s"] / n}
+        return {f"host_{k}_ms": 1e3 * self.host_times[f"{k}_s"] / n
+                for k in ("batch", "wait", "loop", "read")}
+
+    def _needs_state(self, step: int, kill_after: set[int]) -> bool:
+        """Whether the loop needs the state after `step` steps as it is (so nothing may be dispatched
+        after it before its metrics are read): it checkpoints, evaluates, ends the run or is killed."""
+        tc = self.cfg.train
+        return (step % tc.checkpoint_every == 0 or step % tc.eval_every == 0 or step >= tc.total_steps
+                or step in kill_after)
+
+    def _dispatch(self, prefetch: batches.Prefetcher, index: int, after_void: jax.Array,
+                  nan_steps: set[int], teacher: Any) -> _InFlight:
+        """Runs step `index` (0-based) on the next prefetched batch without waiting for it."""
+        t_wait = time.perf_counter()
+        item = prefetch.next()
+        t_host = time.perf_counter()
+        self.host_times["wait_s"] += t_host - t_wait
+        self.host_times["batch_s"] += item.seconds
+        self.host_times["steps"] += 1
+        scale = jnp.float32(jnp.nan if index in nan_steps else 1.0)
+        if self.pgle_target is not None:
+            self.train_step = scheduled_step.scheduled_train_step(
+                self.train_step, (self.state, teacher, item.batch, scale, after_void),
+                self.pgle_target, self.out / "pgle", self.cfg,
+                item.host_shape[1] * jax.process_count() // batch_devices(self.mesh))
+            self.pgle_target = None
+            t_host = time.perf_counter()  # the profile compile is not per-step host work
+        self.state, metrics = self.train_step(self.state, teacher, item.batch, scale, after_void)
+        if self.host_times["steps"] > 1:  # the first call compiles: not per-step host work
+            self.host_times["loop_s"] += time.perf_counter() - t_host
+        return _InFlight(item, scale, metrics)
 
     def run(self, resume: bool = False) -> dict[str, Any]:
         from tqdm.auto import tqdm
@@ -323,37 +366,48 @@ class Trainer:
         real_tokens, loss = 0.0, float("nan")
         self._consumed_data_state = self.data.get_state()  # before the prefetch thread moves the stream
         prefetch = batches.Prefetcher(self._make_batch, self.step)
+        # after_void of a first step and of every re-run (see make_train_step)
+        zero = jax.device_put(np.float32(0.0), self.program.shardings.scalar)
+        teacher = self.models.teacher_params
+        in_flight: _InFlight | None = None  # dispatched, its metrics not read yet
+        dispatched = self.step
         try:
-            while self.step < tc.total_steps:
-                t_wait = time.perf_counter()
-                item = prefetch.next()
-                self.host_times["wait_s"] += time.perf_counter() - t_wait
-                self.host_times["batch_s"] += item.seconds
-                self.host_times["steps"] += 1
-                real_tokens += item.real_tokens
-                scale = jnp.float32(jnp.nan if self.step in nan_steps else 1.0)
-                batch = item.batch
-                if self.pgle_target is not None:
-                    self.train_step = scheduled_step.scheduled_train_step(
-                        self.train_step, (self.state, self.models.teacher_params, batch, scale),
-                        self.pgle_target, self.out / "pgle", self.cfg,
-                        item.host_shape[1] * jax.process_count() // batch_devices(self.mesh))
-                    self.pgle_target = None
-                self.state, m = self.train_step(self.state, self.models.teacher_params, batch, scale)
-                m = jax.device_get(m)
+            while in_flight is not None or dispatched < tc.total_steps:
+                # Step i+1 is dispatched before step i's metrics are read, so the device runs it while
+                # the host reads, logs and counts. Not after a step whose state the host needs as it is
+                # (a checkpoint, an evaluation, the end, a test's kill): the device idles there.
+                nxt = None
+                if dispatched < tc.total_steps and (in_flight is None
+                                                    or not self._needs_state(dispatched, kill_after)):
+                    after_void = zero if in_flight is None else in_flight.metrics["void"]
+                    nxt = self._dispatch(prefetch, dispatched, after_void, nan_steps, teacher)
+                    dispatched += 1
+                if in_flight is None:
+                    in_flight = nxt
+                    continue
+                t_read = time.perf_counter()
+                m = jax.device_get(in_flight.metrics)
+                self.host_times["read_s"] += time.perf_counter() - t_read
                 if m["moe_overflow"] > 0:
                     # The bounded buffers overflowed somewhere: that step changed nothing; the same
                     # batch runs again with the worst-case buffers, so the step stays exactly dropless.
+                    # The step dispatched after it was void too (its after_void): it runs again next.
                     self.counts["moe_overflow_reruns"] += 1
                     log.info("step %d: a routed-expert buffer overflowed (model.moe_buffer_factor=%g); "
                              "re-running it with the worst-case buffers (%d re-runs so far)", self.step,
                              self.cfg.model.moe_buffer_factor, self.counts["moe_overflow_reruns"])
-                    self.state, m = self.program.worst_case_train_step(self.state, self.models.teacher_params,
-                                                                       batch, scale)
+                    self.state, m = self.program.worst_case_train_step(self.state, teacher,
+                                                                       in_flight.item.batch,
+                                                                       in_flight.scale, zero)
                     m = jax.device_get(m)
+                    if nxt is not None:
+                        self.state, nxt.metrics = self.train_step(self.state, teacher, nxt.item.batch,
+                                                                  nxt.scale, zero)
+                t_host = time.perf_counter()
                 loss, ok = self._record(m)
                 self.step += 1
-                self._consumed_data_state = item.data_state
+                real_tokens += in_flight.item.real_tokens
+                self._consumed_data_state = in_flight.item.data_state
                 tokens_seen += float(m["num_tokens"])
                 vals = self._step_values(m, loss)
                 if self.step % tc.log_every == 0 or self.step == tc.total_steps:
@@ -365,6 +419,8 @@ class Trainer:
                 bar.set_postfix(loss=f"{loss:.4g}", tok_s=f"{real_tokens / max(elapsed, 1e-9):.0f}",
                                 lr=f"{vals['lr']:.2e}", refresh=False)
                 bar.update(1)
+                self.host_times["loop_s"] += time.perf_counter() - t_host
+                in_flight = nxt
                 if self.counts["nonfinite_in_row"] >= tc.max_nonfinite_in_row:
                     self.ckpt.wait()
                     last = self.ckpt.latest_step()

@@ -62,7 +62,7 @@ def test_teacher_is_dropless_and_drops_are_reported():
     assert not s_ptrs & {x.unsafe_buffer_pointer() for x in jax.tree.leaves(models.teacher_params)}
     state = prog.init_state(models.student_params)
     batch = {k: jnp.asarray(v) for k, v in _batch(cfg.model.vocab_size, accum=2).items()}
-    _, m = prog.train_step(state, models.teacher_params, batch, jnp.float32(1.0))
+    _, m = prog.train_step(state, models.teacher_params, batch, jnp.float32(1.0), jnp.float32(0.0))
     student, teacher = float(m["student_dropped_fraction"]), float(m["teacher_dropped_fraction"])
     print(f"capacity 0.25: student dropped fraction {student:.3f}, teacher {teacher}")
     # 0.25 x the mean load leaves at most a quarter of the assignments in place.

@@ -61,7 +61,8 @@ def _step(setup, mode: str, accum: int, **spec_kw):
     step = make_train_step(spec, graphdef, t_graph if mode == "fcsd" else None, tx, lr_schedule(tc))
     micro = {k: jnp.asarray(v.reshape(accum, B // accum, T)) for k, v in batch.items()}
     teacher = jax.tree.map(jnp.array, params) if mode == "fcsd" else None
-    new_state, metrics = step(_state(tx, params), teacher, micro, jnp.ones((), jnp.float32))
+    new_state, metrics = step(_state(tx, params), teacher, micro, jnp.ones((), jnp.float32),
+                              jnp.zeros((), jnp.float32))
     return new_state, metrics
 
 

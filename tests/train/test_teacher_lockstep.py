@@ -35,8 +35,9 @@ def _step(lockstep: bool, expert: int) -> tuple[float, list[np.ndarray], str]:
     state = prog.init_state(models.student_params)
     batch = {k: jax.device_put(v, prog.batch_sharding)
              for k, v in _batch(cfg.model.vocab_size, 2 * batch_devices(mesh)).items()}
-    hlo = prog.train_step.lower(state, models.teacher_params, batch, np.float32(1.0)).as_text()
-    state, m = prog.train_step(state, models.teacher_params, batch, np.float32(1.0))
+    args = (state, models.teacher_params, batch, np.float32(1.0), np.float32(0.0))
+    hlo = prog.train_step.lower(*args).as_text()
+    state, m = prog.train_step(*args)
     return float(m["loss"]), [np.asarray(x) for x in jax.tree.leaves(state["params"])], hlo
 
 

@@ -226,6 +226,64 @@ def test_nonfinite_guard(cfg_for, tmp_path, monkeypatch):
     assert np.isfinite(rows[3]["loss"]) and np.isfinite(rows[1]["loss"])  # the step after a skip trains
 
 
+def test_metrics_read_one_step_late_and_an_overflow_found_late_reruns_in_order(reference, cfg_for, tmp_path,
+                                                                                  monkeypatch):
+    """The loop dispatches step i+1 before it reads step i's metrics (the device runs under the host's
+    reading, counting and logging), except after a step whose state it needs (checkpoint, eval, end).
+    An overflow of the bounded buffers, found one step late, still applies the batches in order: the
+    step dispatched after it is void (its after_void) and both run again. Emulated on one device: the
+    first run of steps 2 and 7 (0-based; 7 is a checkpoint step, so nothing follows it in flight) is
+    made void through after_void and reports an overflow; the run must end bitwise where the
+    reference run (no overflow) ended."""
+    tr = trainer_mod.Trainer(cfg_for(tmp_path / "late"))
+    real_step, events, index_of, metrics_of = tr.train_step, [], {}, {}
+    after_voids: dict[int, list] = {}
+    fake = {2, 7}
+
+    def watched(state, teacher, batch, scale, after_void):
+        i = index_of.setdefault(id(batch), len(index_of))
+        first = i not in after_voids
+        after_voids.setdefault(i, []).append(after_void)
+        events.append(("dispatch", i))
+        if first and i in fake:
+            state, m = real_step(state, teacher, batch, scale, np.float32(1.0))
+            m = {**m, "moe_overflow": np.float32(1.0)}
+        else:
+            state, m = real_step(state, teacher, batch, scale, after_void)
+        metrics_of[id(m)] = (i, batch)  # the batch too: its id stays unique while the run lasts
+        return state, m
+
+    def logged_get(x):
+        if isinstance(x, dict) and "void" in x:
+            events.append(("read", metrics_of.get(id(x), ("re-run",))[0]))
+        return real_get(x)
+
+    real_get = jax.device_get
+    tr.train_step = watched
+    monkeypatch.setattr(trainer_mod.jax, "device_get", logged_get)
+    summary = tr.run()
+    monkeypatch.undo()
+    pos = {e: k for k, e in reversed(list(enumerate(events)))}  # first occurrence of each event
+    last_read = {i: k for k, (kind, i) in enumerate(events) if kind == "read"}
+    needs_state = {7, 11, 15, STEPS - 1}  # checkpoint_every 8, eval_every 12, the end
+    for i in range(STEPS - 1):
+        if i in needs_state:
+            assert last_read[i] < pos[("dispatch", i + 1)], (i, events)
+        else:
+            assert pos[("dispatch", i + 1)] < pos[("read", i)], (i, events)
+    # Step 3 was dispatched on the void step 2's after_void, then again (after step 2's re-run) on 0.
+    assert [float(v) for v in after_voids[3]] == [1.0, 0.0]
+    assert events[pos[("read", 2)] + 1] == ("read", "re-run")
+    assert len(after_voids[8]) == 1 and events[pos[("dispatch", 8)] - 1] == ("read", "re-run")
+    assert sum(len(v) > 1 for v in after_voids.values()) == 1  # only step 3 ran twice through the loop
+    assert tr.counts["moe_overflow_reruns"] == 2 and summary["steps"] == STEPS
+    assert int(tr.state["step"]) == STEPS
+    assert _train_losses(tmp_path / "late") == _train_losses(reference["out"])
+    ref_params = reference["trainer"].state["params"]
+    for a, b in zip(jax.tree.leaves(tr.state["params"]), jax.tree.leaves(ref_params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_early_stopping_plateau_and_drop():
     es = EarlyStopper(patience=3, drop_threshold=0.02)
     assert not any(es.update(s, v) for s, v in [(1, 0.5), (2, 0.6), (3, 0.6), (4, 0.595)])
@@ -291,22 +349,25 @@ def test_moe_overflow_fallback_is_exact(cfg_for, tmp_path, reference):
     tr = trainer_mod.Trainer(cfg)
     bounded_step, void_steps = tr.train_step, []
 
-    def watched(state, *args):
+    def watched(state, teacher, batch, scale, after_void):
         before = jax.tree.map(np.array, state)  # copied: the step donates its state
-        new_state, m = bounded_step(state, *args)
-        if float(m["moe_overflow"]) > 0:
-            void_steps.append((before, jax.tree.map(np.array, new_state)))
+        new_state, m = bounded_step(state, teacher, batch, scale, after_void)
+        if float(m["void"]) > 0:  # overflowed, or dispatched after a step that did (run again too)
+            void_steps.append((before, jax.tree.map(np.array, new_state), float(after_void) == 0))
         return new_state, m
 
     tr.train_step = watched
     tr.run()
     rows = [json.loads(x) for x in (tmp_path / "tight" / "metrics.jsonl").read_text().splitlines()]
     reruns = [r["moe_overflow_reruns"] for r in rows if r["kind"] == "train"]
-    print(f"overflow fallback: {len(void_steps)} of 3 steps re-run; logged {reruns}")
-    assert void_steps, "the factor-1 buffers never overflowed: the test checks nothing"
-    assert reruns[-1] == len(void_steps)
-    assert tr.counts["moe_overflow_reruns"] >= len(void_steps)  # eval batches re-run too
-    for before, after in void_steps:
+    overflowed = sum(first for *_, first in void_steps)
+    print(f"overflow fallback: {overflowed} of 3 steps re-run; logged {reruns}; "
+          f"jit cache {bounded_step._cache_size()}")
+    assert overflowed, "the factor-1 buffers never overflowed: the test checks nothing"
+    assert reruns[-1] == overflowed
+    assert tr.counts["moe_overflow_reruns"] >= overflowed  # eval batches re-run too
+    assert bounded_step._cache_size() == 1  # after_void from a step's metrics or 0: one program
+    for before, after, _ in void_steps:
         for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
             np.testing.assert_array_equal(a, b)
     ep, ref = _train_losses(tmp_path / "tight"), _train_losses(reference["out"])

@@ -53,11 +53,11 @@ def _run(zero1: bool) -> dict:
     losses = []
     for host in _batches(cfg.model.vocab_size, b):
         batch = {k: jax.device_put(v, prog.batch_sharding) for k, v in host.items()}
-        state, m = prog.train_step(state, models.teacher_params, batch, np.float32(1.0))
+        state, m = prog.train_step(state, models.teacher_params, batch, np.float32(1.0), np.float32(0.0))
         losses.append(float(m["loss"]))
     scale = jax.ShapeDtypeStruct((), np.float32, sharding=prog.shardings.scalar)
     args = (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state),
-            models.teacher_params, batch, scale)
+            models.teacher_params, batch, scale, scale)
     lowered = prog.train_step.lower(*args)
     hlo = lowered.compile().as_text()
     leaves = jax.tree.leaves(state["params"])
@@ -136,8 +136,8 @@ def test_gradients_reduce_scattered(runs):
 def test_abstract_train_step_is_the_trainer_step(runs):
     """What the HLO inspector compiles deviceless is the program the trainer ran above."""
     on = runs[True]
-    step, (state, teacher, batch, scale) = abstract_train_step(on["cfg"], on["prog"].mesh, 1, T)
+    step, (state, teacher, batch, scale, after_void) = abstract_train_step(on["cfg"], on["prog"].mesh, 1, T)
     assert batch["input_ids"].shape == (A, 8, T) and teacher is not None
     assert {x.dtype for x in jax.tree.leaves(teacher)} == {np.dtype("bfloat16")}
     assert any(x.sharding.spec[:1] == (("data", "expert"),) for x in jax.tree.leaves(state["opt_state"]))
-    assert step.lower(state, teacher, batch, scale).as_text() == on["lowered"]
+    assert step.lower(state, teacher, batch, scale, after_void).as_text() == on["lowered"]
