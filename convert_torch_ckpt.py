@@ -21,6 +21,8 @@ examples:
   python convert_torch_ckpt.py --input DeepSeek-V2-Lite --output ckpt/dsv2lite --dtype bf16 --resume
   # Orbax (converted, or a training step RUN_DIR/checkpoints/STEP) -> HF safetensors
   python convert_torch_ckpt.py --to-hf --input runs/x/checkpoints/5000 --output hf_out
+  # ... in DeepSeek-V3's published FP8 layout (128 x 128 blocks, float32 scales)
+  python convert_torch_ckpt.py --to-hf --fp8 --input runs/x/checkpoints/5000 --output hf_fp8
 
 The Orbax directory (marker farskip_checkpoint.json) loads with farskip_jax.from_pretrained(DIR)
 or from_pretrained(DIR, mesh=mesh) straight into expert-sharded arrays; it is one standard Orbax
@@ -53,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="zstd-compress the Orbax arrays (10-20%% smaller for bf16 weights; CPU-bound, "
                         "so slower than the disk on few cores)")
     p.add_argument("--max-shard-size", default="5GB", help="with --to-hf: shard size limit (default 5GB)")
+    p.add_argument("--fp8", action="store_true",
+                   help="with --to-hf: write DeepSeek-V3's published FP8 layout: attention and MLP/expert "
+                        "weights as float8_e4m3fn with a float32 <name>_scale_inv per block (the blocks of "
+                        "the HF checkpoint the input was converted from, else 128 x 128), embeddings, LM "
+                        "head, norms and router in --dtype. Weights converted from FP8 and kept in fp32 "
+                        "are written back bitwise")
     p.add_argument("--dry-run", action="store_true",
                    help="validate, print the HF key -> parameter mapping and the bytes to write, write "
                         "nothing")
@@ -86,8 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.mesh or args.compress:
             raise UserError("--mesh and --compress apply to HF -> Orbax only; drop them with --to-hf")
         convert_orbax_to_hf(args.input, args.output, max_shard_size=args.max_shard_size, resume=args.resume,
-                            **common)
+                            fp8=args.fp8, **common)
     else:
+        if args.fp8:
+            raise UserError("--fp8 applies to --to-hf; an FP8 HF checkpoint is dequantized on the way in "
+                            "by itself (config.json quantization_config)")
         convert_hf_to_orbax(args.input, args.output, mesh=parse_mesh(args.mesh), compress=args.compress,
                             resume=args.resume, **common)
     return 0

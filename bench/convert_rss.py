@@ -60,8 +60,8 @@ def write_synthetic(d: Path, layers: int) -> tuple[ModelConfig, int]:
     hf = dsv2_lite_config(layers)
     cfg = hf_config.model_config(hf)
     specs = param_specs(cfg)
-    entries = [(k, s.hf_shape) for s in specs for k in s.hf_keys]
-    shards = plan_shards(entries, 2, 1_000_000_000)
+    entries = [(k, s.hf_shape, "bfloat16") for s in specs for k in s.hf_keys]
+    shards = plan_shards(entries, 1_000_000_000)
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     # Random values from a 32 Mi-element pool at varying offsets: real entropy for the compressor,
     # without paying for a fresh normal draw per element.
@@ -69,15 +69,15 @@ def write_synthetic(d: Path, layers: int) -> tuple[ModelConfig, int]:
     pool = (rng.standard_normal(32 * MiB, np.float32) * 0.02).astype(np_dtype("bfloat16"))
     total, off = 0, 0
     for name, shard in zip(names, shards, strict=True):
-        w = ShardWriter(d / name, shard, "bfloat16")
-        for key, shape in shard:
+        w = ShardWriter(d / name, shard)
+        for key, shape, _ in shard:
             n = int(np.prod(shape))
             w.write(key, np.resize(pool[off:], n).reshape(shape))  # cyclic, n elements allocated
             off = (off + 7919 * 13) % (pool.size // 2)
             total += n * 2
         w.close()
     index = {"metadata": {"total_size": total}, "weight_map": {k: names[i] for i, sh in enumerate(shards)
-                                                                for k, _ in sh}}
+                                                                for k, *_ in sh}}
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
     (d / "config.json").write_text(json.dumps(hf, indent=1))
     return cfg, total

@@ -63,12 +63,65 @@ def fp8_block_size(hf: dict) -> tuple[int, int] | None:
 def dequantize_fp8(q: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], name: str) -> np.ndarray:
     """float32 `q * scale` with one scale per `block` (partial blocks at the edges)."""
     rows, cols = q.shape
-    want = (-(-rows // block[0]), -(-cols // block[1]))
+    want = fp8_scale_shape(q.shape, block)
     if scale_inv.shape != want:
         raise CheckpointError(f"tensor {name}{SCALE_SUFFIX}: shape {list(scale_inv.shape)} does not match "
                               f"{name} {list(q.shape)} in blocks of {list(block)} (expected {list(want)})")
     scale = np.repeat(np.repeat(scale_inv.astype(np.float32), block[0], axis=0), block[1], axis=1)
     return q.astype(np.float32) * scale[:rows, :cols]
+
+
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+# What the published FP8 checkpoints keep unquantized (in bf16): embeddings, LM head, every norm, the
+# router (DeepSeek/Qwen3 `mlp.gate`, Llama-4 `router`) and its correction bias. Every other 2-D
+# `.weight` (the attention projections, the dense, shared and routed experts' MLPs) is quantized.
+FP8_KEEP = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight", "router", "e_score_correction_bias")
+
+
+def fp8_quantizes(hf_key: str, shape: tuple[int, ...]) -> bool:
+    """Whether the published FP8 layout stores this tensor block-quantized."""
+    return len(shape) == 2 and hf_key.endswith(".weight") and not any(k in hf_key for k in FP8_KEEP)
+
+
+def fp8_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    return -(-shape[0] // block[0]), -(-shape[1] // block[1])
+
+
+def quantize_fp8(w: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """(float8_e4m3fn q, float32 scale_inv per block) with q * scale ~ w, the inverse of `dequantize_fp8`.
+
+    A block's scale is amax / 448 (DeepSeek's quantization), except for a block that already is
+    exactly some fp8 q times a float32 scale s (a published FP8 weight dequantized in float32):
+    then s itself is found and kept, so that FP8 -> float32 -> FP8 gives the published bytes back.
+    amax / 448 alone cannot: float32(float32(448 s) / 448) != s for ~11% of float32 scales. s is
+    found exactly from any element whose q is a power of two (w = q s then holds without rounding,
+    and q is the same under either scale: an ulp of the scale moves w / s by ~1e-7 of q, and fp8's
+    spacing is 1/8 to 1/16 of q); the block keeps s only if q * s reproduces every element."""
+    import ml_dtypes
+
+    fp8 = np.dtype(ml_dtypes.float8_e4m3fn)
+    rows, cols = w.shape
+    nb0, nb1 = fp8_scale_shape(w.shape, block)
+    padded = np.zeros((nb0 * block[0], nb1 * block[1]), np.float32)
+    padded[:rows, :cols] = w
+    tiles = padded.reshape(nb0, block[0], nb1, block[1]).transpose(0, 2, 1, 3).reshape(nb0, nb1, -1)
+    amax = np.max(np.abs(tiles), axis=-1)
+    scale = np.where(amax > 0, amax / np.float32(FP8_MAX), np.float32(1.0)).astype(np.float32)
+    q = (tiles / scale[..., None]).astype(fp8)
+    qf = q.astype(np.float32)
+    bits = q.view(np.uint8)
+    # normal fp8 values with a zero mantissa: +-2^e, so w / q is w's scale exactly
+    pow2 = ((bits & 0x07) == 0) & ((bits & 0x78) != 0)
+    pick = np.argmax(np.where(pow2, np.abs(qf), 0.0), axis=-1)[..., None]
+    found = pow2.any(axis=-1)
+    exact = np.where(found, (np.take_along_axis(tiles, pick, -1)
+                             / np.take_along_axis(np.where(pow2, qf, 1.0), pick, -1))[..., 0], scale)
+    exact = exact.astype(np.float32)
+    keeps = found & np.all(qf * exact[..., None] == tiles, axis=-1) & (exact > 0)
+    scale = np.where(keeps, exact, scale).astype(np.float32)
+    q = (tiles / scale[..., None]).astype(fp8)
+    q = q.reshape(nb0, nb1, block[0], block[1]).transpose(0, 2, 1, 3).reshape(padded.shape)
+    return np.ascontiguousarray(q[:rows, :cols]), scale
 
 
 def read_safetensors_header(f: Path) -> tuple[int, dict]:

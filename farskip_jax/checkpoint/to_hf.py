@@ -47,7 +47,15 @@ from farskip_jax.checkpoint.convert import (
     pause_for_tests,
     progress_bar,
 )
-from farskip_jax.checkpoint.hf_io import CheckpointError, np_dtype
+from farskip_jax.checkpoint.hf_io import (
+    SCALE_SUFFIX,
+    CheckpointError,
+    fp8_block_size,
+    fp8_quantizes,
+    fp8_scale_shape,
+    np_dtype,
+    quantize_fp8,
+)
 from farskip_jax.checkpoint.hf_keys import FusedJoin, ParamSpec, hf_entries, param_specs
 from farskip_jax.checkpoint.orbax_io import (
     MARKER,
@@ -63,7 +71,8 @@ from farskip_jax.checkpoint.orbax_io import (
 )
 from farskip_jax.config import ConfigError, ModelConfig, from_dict, override
 
-ST_TAGS = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+ST_TAGS = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float8_e4m3fn": "F8_E4M3"}
+FP8_DEFAULT_BLOCK = (128, 128)  # DeepSeek-V3 / R1 as published
 INDEX = "model.safetensors.index.json"
 
 
@@ -168,18 +177,22 @@ def trainer_model_config(step_dir: Path) -> ModelConfig:
 # Streaming safetensors shards
 
 
-Entry = tuple[str, tuple[int, ...]]  # HF key, shape
+Entry = tuple[str, tuple[int, ...], str]  # HF key, shape, dtype name
 
 
-def plan_shards(entries: list[Entry], itemsize: int, max_bytes: int) -> list[list[Entry]]:
+def entry_bytes(entry: Entry) -> int:
+    return int(np.prod(entry[1])) * np_dtype(entry[2]).itemsize
+
+
+def plan_shards(entries: list[Entry], max_bytes: int) -> list[list[Entry]]:
     shards: list[list[Entry]] = [[]]
     size = 0
-    for key, shape in entries:
-        n = int(np.prod(shape)) * itemsize
+    for entry in entries:
+        n = entry_bytes(entry)
         if shards[-1] and size + n > max_bytes:
             shards.append([])
             size = 0
-        shards[-1].append((key, shape))
+        shards[-1].append(entry)
         size += n
     return shards
 
@@ -187,12 +200,12 @@ def plan_shards(entries: list[Entry], itemsize: int, max_bytes: int) -> list[lis
 class ShardWriter:
     """Writes one safetensors file whose tensors arrive in the planned order."""
 
-    def __init__(self, path: Path, entries: list[Entry], dtype: str):
-        self.path, self.entries, self.dtype, self.pos = path, entries, np_dtype(dtype), 0
+    def __init__(self, path: Path, entries: list[Entry]):
+        self.path, self.entries, self.pos = path, entries, 0
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         offset = 0
-        for key, shape in entries:
-            n = int(np.prod(shape)) * self.dtype.itemsize
+        for key, shape, dtype in entries:
+            n = entry_bytes((key, shape, dtype))
             header[key] = {"dtype": ST_TAGS[dtype], "shape": list(shape),
                            "data_offsets": [offset, offset + n]}
             offset += n
@@ -202,10 +215,10 @@ class ShardWriter:
         self.fh.write(struct.pack("<Q", len(raw)) + raw)
 
     def write(self, key: str, arr: np.ndarray) -> None:
-        exp_key, exp_shape = self.entries[self.pos]
-        if key != exp_key or arr.shape != exp_shape or arr.dtype != self.dtype:
+        exp_key, exp_shape, exp_dtype = self.entries[self.pos]
+        if key != exp_key or arr.shape != exp_shape or arr.dtype != np_dtype(exp_dtype):
             raise CheckpointError(f"{self.path.name}: got {key} {arr.shape} {arr.dtype}, planned {exp_key} "
-                                  f"{exp_shape} {self.dtype}")
+                                  f"{exp_shape} {exp_dtype}")
         if not arr.flags.c_contiguous:
             buf = np.empty(arr.shape, arr.dtype)
             copy_into(buf, arr)  # transposes in tiles: several times faster than ascontiguousarray
@@ -229,39 +242,71 @@ class ShardWriter:
             os.fdatasync(done.fileno())
 
 
-def shard_bytes(entries: list[Entry], itemsize: int) -> int:
+def shard_bytes(entries: list[Entry]) -> int:
     """Planned data bytes of a shard (its header comes on top)."""
-    return sum(int(np.prod(shape)) * itemsize for _, shape in entries)
+    return sum(entry_bytes(e) for e in entries)
 
 
-def shards_on_disk(tmp: Path, names: list[str], shards: list[list[Entry]], itemsize: int) -> int:
+def shards_on_disk(tmp: Path, names: list[str], shards: list[list[Entry]]) -> int:
     """How many of the planned shards an interrupted export finished: the longest prefix of `names`
     listed in SHARDS_DONE whose files are still there and no shorter than their data."""
     listed = set((tmp / SHARDS_DONE).read_text().split()) if (tmp / SHARDS_DONE).is_file() else set()
     k = 0
     while (k < len(names) and names[k] in listed and (tmp / names[k]).is_file()
-           and (tmp / names[k]).stat().st_size > shard_bytes(shards[k], itemsize)):
+           and (tmp / names[k]).stat().st_size > shard_bytes(shards[k])):
         k += 1
     # The list names only what is kept: a shard after the prefix is written again from its start.
     (tmp / SHARDS_DONE).write_text("".join(n + "\n" for n in names[:k]))
     return k
 
 
-def export_plan(src: Path, out_dtype: str, overrides: dict[str, Any], max_shard_size: str) -> dict:
+def export_plan(src: Path, out_dtype: str, overrides: dict[str, Any], max_shard_size: str,
+                fp8_block: tuple[int, int] | None) -> dict:
     """What an export writes, as JSON: a resumed export must match it exactly (the same checkpoint
     files by size and modification time, and the same settings)."""
     files = sorted(f for f in src.rglob("*") if f.is_file())
     return {"direction": "orbax-to-hf", "source": str(src.resolve()), "dtype": out_dtype,
             "overrides": {k: overrides[k] for k in sorted(overrides)}, "max_shard_size": max_shard_size,
+            "fp8_block": list(fp8_block) if fp8_block else None,
             "files": {str(f.relative_to(src)): [f.stat().st_size, f.stat().st_mtime_ns] for f in files}}
+
+
+def source_quantization(src: Path) -> dict | None:
+    """The FP8 quantization_config of the HF checkpoint a converted directory came from (its copied
+    config.json), None when it was not quantized or `src` is a training checkpoint."""
+    cfg_file = src / "config.json"
+    if not cfg_file.is_file():
+        return None
+    quant = json.loads(cfg_file.read_text()).get("quantization_config")
+    return quant if quant and fp8_block_size({"quantization_config": quant}) else None
+
+
+def with_fp8(entries: list[tuple[str, tuple[int, ...]]], out_dtype: str,
+             block: tuple[int, int] | None) -> list[Entry]:
+    """The planned tensors: each in `out_dtype`, or (with a block) those the published FP8 layout
+    quantizes as float8_e4m3fn followed by their float32 `_scale_inv`."""
+    planned: list[Entry] = []
+    for key, shape in entries:
+        if block is not None and fp8_quantizes(key, shape):
+            planned += [(key, shape, "float8_e4m3fn"),
+                        (key + SCALE_SUFFIX, fp8_scale_shape(shape, block), "float32")]
+        else:
+            planned.append((key, shape, out_dtype))
+    return planned
 
 
 def convert_orbax_to_hf(input_dir: str | Path, output_dir: str | Path, *, dtype: str | None = None,
                         overrides: dict[str, Any] | None = None, max_shard_size: str = "5GB",
                         dry_run: bool = False, overwrite: bool = False, progress: bool = True,
-                        resume: bool = False, log: Callable[[str], None] = print) -> Summary:
+                        resume: bool = False, fp8: bool = False,
+                        log: Callable[[str], None] = print) -> Summary:
     """A converted or training checkpoint -> HF safetensors shards + index + config.json.
 
+    `fp8`: the published DeepSeek-V3 layout: every weight it quantizes (`fp8_quantizes`) written as
+    float8_e4m3fn with a float32 `<name>_scale_inv` per block, the rest in `dtype`; the blocks are
+    those of the HF checkpoint a converted directory came from (its config.json's
+    quantization_config), else 128 x 128. Weights that came from FP8 and were kept in float32 are
+    written back bitwise (`quantize_fp8`).
     `resume`: continue an interrupted export of the same checkpoint with the same settings from the
     first shard it had not finished; the result is bitwise the uninterrupted one."""
     src, out = Path(input_dir), Path(output_dir)
@@ -273,33 +318,45 @@ def convert_orbax_to_hf(input_dir: str | Path, output_dir: str | Path, *, dtype:
     raise_problems("the output", output_errors(out, overwrite, [src]))
     specs = param_specs(cfg)
     groups = group_specs(specs)
-    itemsize = np_dtype(out_dtype).itemsize
+    quant = None
+    if fp8:
+        published = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                     "weight_block_size": list(FP8_DEFAULT_BLOCK)}
+        quant = source_quantization(src) or published
+    block = fp8_block_size({"quantization_config": quant}) if quant else None
     # Planned in the order the groups are read, which is the order tensors reach the writer.
-    entries = hf_entries([s for g in groups for s in g.specs])
-    shards = plan_shards(entries, itemsize, parse_size(max_shard_size))
+    entries = with_fp8(hf_entries([s for g in groups for s in g.specs]), out_dtype, block)
+    quantized = {k for k, _, dt in entries if dt == "float8_e4m3fn"}
+    if fp8 and not quantized:
+        raise CheckpointError(f"{src}: --fp8, but no tensor of this model is one the FP8 layout quantizes")
+    shards = plan_shards(entries, parse_size(max_shard_size))
     summary = Summary(tensors=len(entries), params=sum(int(np.prod(s.shape)) for s in specs))
-    total = summary.params * itemsize
+    total = sum(entry_bytes(e) for e in entries)
+    layout = (f"FP8 e4m3 in blocks of {list(block)} ({len(quantized)} weights, a float32 *{SCALE_SUFFIX} "
+              f"each), the rest {out_dtype}" if block else out_dtype)
     if dry_run:
-        _print_plan(log, specs, reader.stored_dtype, out_dtype, shards, total, out, reader.kind)
+        _print_plan(log, specs, reader.stored_dtype, out_dtype, shards, total, out, reader.kind, layout,
+                    quantized)
         return summary
     t0 = time.perf_counter()
     n = len(shards)
     names = (["model.safetensors"] if n == 1
              else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
-    weight_map = {k: names[i] for i, sh in enumerate(shards) for k, _ in sh}
-    shard_of = {k: i for i, sh in enumerate(shards) for k, _ in sh}
-    plan = export_plan(src, out_dtype, overrides or {}, max_shard_size)
+    weight_map = {k: names[i] for i, sh in enumerate(shards) for k, *_ in sh}
+    shard_of = {k: i for i, sh in enumerate(shards) for k, *_ in sh}
+    plan = export_plan(src, out_dtype, overrides or {}, max_shard_size, block)
     with (atomic_output_dir(out, log, plan=plan, resume=resume) as tmp,
           progress_bar(total, "Orbax -> HF", progress) as bar):
-        first = shards_on_disk(tmp, names, shards, itemsize)  # 0 unless resumed
+        first = shards_on_disk(tmp, names, shards)  # 0 unless resumed
         # Groups whose tensors all lie in finished shards are not read again.
-        todo = [g for g in groups if any(shard_of[k] >= first for k, _ in hf_entries(list(g.specs)))]
+        todo = [g for g in groups if any(max(shard_of[k], shard_of.get(k + SCALE_SUFFIX, -1)) >= first
+                                         for k, _ in hf_entries(list(g.specs)))]
         if first:
-            done_bytes = sum(shard_bytes(sh, itemsize) for sh in shards[:first])
+            done_bytes = sum(shard_bytes(sh) for sh in shards[:first])
             log(f"resuming {out}: {first} of {n} shards ({done_bytes / 1e9:.3f} GB) already written")
-            bar.update(total - sum(int(np.prod(s.shape)) * itemsize for g in todo for s in g.specs))
+            bar.update(done_bytes)
         shard_i = first
-        writer = ShardWriter(tmp / names[first], shards[first], out_dtype) if first < n else None
+        writer = ShardWriter(tmp / names[first], shards[first]) if first < n else None
         # Restoring group i+1 (TensorStore's threads) overlaps writing group i: two groups in memory.
         with ThreadPoolExecutor(1, thread_name_prefix="farskip-restore") as pool:
             pending = pool.submit(reader.read, todo[0]) if todo else None
@@ -310,18 +367,29 @@ def convert_orbax_to_hf(input_dir: str | Path, output_dir: str | Path, *, dtype:
                     pending = pool.submit(reader.read, todo[gi + 1])
                 fused = FusedJoin()  # a fused tensor's parts are in one group
                 for spec in group.specs:
-                    arr = np.asarray(nest_get(tree, spec.path)).astype(np_dtype(out_dtype), copy=False)
+                    arr = np.asarray(nest_get(tree, spec.path))
+                    if block is None:
+                        arr = arr.astype(np_dtype(out_dtype), copy=False)
                     for key, t in fused.add(spec, spec.to_hf(arr)):
-                        if shard_of[key] < first:
-                            continue  # in a shard the interrupted export finished
-                        if writer.done:
-                            writer.close()
-                            if shard_i == first:
-                                pause_for_tests("shard")
-                            shard_i += 1
-                            writer = ShardWriter(tmp / names[shard_i], shards[shard_i], out_dtype)
-                        writer.write(key, t)
-                    bar.update(arr.nbytes)
+                        # in a shard the interrupted export finished (an FP8 weight's scale may not be)
+                        if shard_of[key] < first and shard_of.get(key + SCALE_SUFFIX, -1) < first:
+                            continue
+                        if key in quantized:  # from the stored values, never through out_dtype
+                            q, scale_inv = quantize_fp8(np.asarray(t, np.float32), block)
+                            parts = [(key, q), (key + SCALE_SUFFIX, scale_inv)]
+                        else:
+                            parts = [(key, t.astype(np_dtype(out_dtype), copy=False))]
+                        for name, data in parts:
+                            if shard_of[name] < first:
+                                continue
+                            if writer.done:
+                                writer.close()
+                                if shard_i == first:
+                                    pause_for_tests("shard")
+                                shard_i += 1
+                                writer = ShardWriter(tmp / names[shard_i], shards[shard_i])
+                            writer.write(name, data)
+                            bar.update(data.nbytes)
                 del tree
         if writer is not None:
             writer.close()
@@ -329,6 +397,8 @@ def convert_orbax_to_hf(input_dir: str | Path, output_dir: str | Path, *, dtype:
             (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                 indent=2) + "\n")
         config_json = hf_config.hf_dict(cfg)
+        if quant:
+            config_json["quantization_config"] = quant
         stock = config_json["architectures"][0]
         remote_code, remote_cls = REMOTE_CODE[config_json["model_type"]]
         if config_json["farskip"]:
@@ -345,7 +415,7 @@ def convert_orbax_to_hf(input_dir: str | Path, output_dir: str | Path, *, dtype:
                 config_json.pop(k, None)  # a family default would name a token of another vocabulary
         (tmp / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
     summary.bytes, summary.seconds = total, time.perf_counter() - t0
-    log(summary.line(f"wrote {out} ({n} shard(s)):"))
+    log(summary.line(f"wrote {out} ({n} shard(s), {layout}):"))
     if assets is not None:
         written = sorted(p.name for p in out.iterdir() if p.name in hf_tokenizer.TOKENIZER_FILES)
         log(f"tokenizer from {assets.source}: {', '.join(written)}; ids {ids}")
@@ -376,14 +446,15 @@ REMOTE_CODE = {
 
 
 def _print_plan(log, specs: list[ParamSpec], stored: str, out_dtype: str, shards: list[list[Entry]],
-                total: int, out: Path, kind: str) -> None:
+                total: int, out: Path, kind: str, layout: str, quantized: set[str]) -> None:
     rows = [("our path", "our shape", "HF key(s)", "HF shape", "dtype")]
     for s in specs:
         n = len(s.hf_keys)
+        written = "float8_e4m3fn" if s.hf_keys[0] in quantized else out_dtype
         rows.append((s.name, str(list(s.shape)), hf_key_label(s),
-                     (f"{n} x " if n > 1 else "") + str(list(s.hf_shape)), f"{stored}->{out_dtype}"))
+                     (f"{n} x " if n > 1 else "") + str(list(s.hf_shape)), f"{stored}->{written}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         log("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     log(f"\n{kind} -> {sum(len(s) for s in shards)} HF tensors in {len(shards)} shard(s), {total:,} bytes "
-        f"({total / 1e9:.3f} GB) to write to {out}")
+        f"({total / 1e9:.3f} GB) to write to {out}; layout: {layout}")

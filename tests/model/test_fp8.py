@@ -160,3 +160,94 @@ def test_dequantized_values_are_exact(fp8_case):
     np.testing.assert_array_equal(src.read(name), expect)
     assert src.dtype_name(name) == "float32" and name in src.quantized()
     assert name + "_scale_inv" not in src.keys()
+
+
+def _st_tensors(d: Path) -> dict[str, tuple[str, bytes]]:
+    """name -> (safetensors dtype tag, raw bytes) over every shard of an HF directory."""
+    from farskip_jax.checkpoint.hf_io import read_safetensors_header
+
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        start, header = read_safetensors_header(f)
+        raw = f.read_bytes()
+        for name, h in header.items():
+            out[name] = (h["dtype"], raw[start + h["data_offsets"][0]:start + h["data_offsets"][1]])
+    return out
+
+
+def test_fp8_export_round_trip_is_bitwise(fp8_case, tmp_path):
+    """Published FP8 -> Orbax (float32) -> `--to-hf --fp8` writes the published tensors back, byte
+    for byte: every float8 weight, every scale (amax / 448 alone would change ~11% of them in the last
+    bit), the unquantized tensors; shards of 20 KB, so weights and their scales straddle shards."""
+    from convert_torch_ckpt import main as cli
+
+    convert_hf_to_orbax(fp8_case["dir"], tmp_path / "orbax", dtype="fp32", progress=False,
+                        log=lambda _s: None)
+    out = tmp_path / "hf_fp8"
+    assert cli(["--to-hf", "--fp8", "--input", str(tmp_path / "orbax"), "--output", str(out),
+                "--max-shard-size", "20KB", "--no-progress"]) == 0
+    assert len(list(out.glob("*.safetensors"))) > 2
+    src, got = _st_tensors(fp8_case["dir"]), _st_tensors(out)
+    assert sorted(got) == sorted(src)
+    assert sum(tag == "F8_E4M3" for tag, _ in got.values()) == fp8_case["n_quantized"]
+    assert [k for k in src if got[k] != src[k]] == []
+    quant = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert quant["weight_block_size"] == list(fp8_case["block"])
+    err = max_abs_err(jax_logits(farskip_jax.from_pretrained(out), fp8_case["ids"]), fp8_case["ref"])
+    assert err <= BAR
+
+
+def test_fp8_export_of_unquantized_weights_uses_amax_blocks(hf_case, tmp_path):
+    """A checkpoint that never was FP8: every quantized block's largest |q| is 448 (scale = amax /
+    448), each element within fp8's rounding (1/16 relative) of the weight, and the export loads."""
+    convert_hf_to_orbax(hf_case["src"], tmp_path / "orbax", dtype="fp32", progress=False, log=lambda _s: None)
+    out = tmp_path / "hf_fp8"
+    lines: list[str] = []
+    from farskip_jax.checkpoint.to_hf import convert_orbax_to_hf
+
+    convert_orbax_to_hf(tmp_path / "orbax", out, fp8=True, progress=False, log=lines.append)
+    assert "FP8 e4m3 in blocks of [128, 128]" in lines[0], lines
+    ref = load_file(str(hf_case["src"] / "model.safetensors"))
+    got = {}
+    for f in out.glob("*.safetensors"):
+        got.update(load_file(str(f)))
+    name = "model.layers.1.mlp.experts.0.gate_proj.weight"
+    q, scale = got[name].float(), got[name + "_scale_inv"]
+    assert got[name].dtype == torch.float8_e4m3fn and scale.shape == (1, 1)
+    assert float(q.abs().max()) == FP8_MAX
+    w = ref[name].float()
+    assert float(((q * scale - w).abs() / w.abs().clamp_min(1e-30)).max()) <= 1 / 16 + 1e-6
+    assert got["model.embed_tokens.weight"].dtype == torch.float32
+    assert got["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    logits = jax_logits(farskip_jax.from_pretrained(out), hf_case["ids"])
+    assert np.isfinite(logits).all()
+
+
+def test_quantize_recovers_any_float32_scale_of_a_448_block():
+    """Blocks whose largest |q| is 448 with random float32 scales (not computed as amax / 448):
+    dequantize -> quantize gives q and the scales back bitwise, partial edge blocks included, where
+    the amax / 448 rule alone changes a share of the scales (so this checks the recovery)."""
+    import ml_dtypes
+
+    from farskip_jax.checkpoint.hf_io import dequantize_fp8, quantize_fp8
+
+    rng = np.random.default_rng(3)
+    block, shape = (8, 16), (8 * 30 - 3, 16 * 20 - 5)
+    nb = (30, 20)
+    scale = np.exp(rng.uniform(np.log(1e-6), np.log(1e-2), nb)).astype(np.float32)
+    q = np.clip(rng.standard_t(4, shape) * 60, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    for i in range(nb[0]):  # one 448 per block, at a random place inside its (partial) extent
+        for j in range(nb[1]):
+            r = min(i * block[0] + rng.integers(block[0]), shape[0] - 1)
+            c = min(j * block[1] + rng.integers(block[1]), shape[1] - 1)
+            q[r, c] = 448.0 * rng.choice([-1, 1])
+    w = dequantize_fp8(q, scale, block, "w")
+    q2, scale2 = quantize_fp8(w, block)
+    np.testing.assert_array_equal(q2.view(np.uint8), q.view(np.uint8))
+    np.testing.assert_array_equal(scale2, scale)
+    tiles = np.zeros((nb[0] * block[0], nb[1] * block[1]), np.float32)
+    tiles[:shape[0], :shape[1]] = np.abs(w)
+    amax = tiles.reshape(nb[0], block[0], nb[1], block[1]).max(axis=(1, 3))
+    plain = (amax / np.float32(448.0)).astype(np.float32)
+    print(f"amax / 448 alone changes {np.mean(plain != scale):.1%} of the scales")
+    assert np.mean(plain != scale) > 0.03
