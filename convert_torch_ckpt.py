@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Convert HF DeepSeek-V2 and Qwen3-MoE checkpoints (safetensors or pytorch_model*.bin) to Orbax and back."""
+"""Convert HF DeepSeek-V2/V3 (FP8 included), Instella-MoE, Qwen3-MoE and Llama-4 checkpoints (safetensors or
+pytorch_model*.bin) to Orbax and back."""
 
 from __future__ import annotations
 
