@@ -349,8 +349,10 @@ def convert_orbax_to_hf(input_dir: str | Path, output_dir: str | Path, *, dtype:
           progress_bar(total, "Orbax -> HF", progress) as bar):
         first = shards_on_disk(tmp, names, shards)  # 0 unless resumed
         # Groups whose tensors all lie in finished shards are not read again.
-        todo = [g for g in groups if any(max(shard_of[k], shard_of.get(k + SCALE_SUFFIX, -1)) >= first
-                                         for k, _ in hf_entries(list(g.specs)))]
+        # An HF tensor still to write: it (or its FP8 scale, which may lie in the next shard) is in a
+        # shard the interrupted export did not finish.
+        to_write = lambda key: max(shard_of[key], shard_of.get(key + SCALE_SUFFIX, -1)) >= first
+        todo = [g for g in groups if any(to_write(k) for k, _ in hf_entries(list(g.specs)))]
         if first:
             done_bytes = sum(shard_bytes(sh) for sh in shards[:first])
             log(f"resuming {out}: {first} of {n} shards ({done_bytes / 1e9:.3f} GB) already written")
@@ -371,8 +373,7 @@ def convert_orbax_to_hf(input_dir: str | Path, output_dir: str | Path, *, dtype:
                     if block is None:
                         arr = arr.astype(np_dtype(out_dtype), copy=False)
                     for key, t in fused.add(spec, spec.to_hf(arr)):
-                        # in a shard the interrupted export finished (an FP8 weight's scale may not be)
-                        if shard_of[key] < first and shard_of.get(key + SCALE_SUFFIX, -1) < first:
+                        if not to_write(key):
                             continue
                         if key in quantized:  # from the stored values, never through out_dtype
                             q, scale_inv = quantize_fp8(np.asarray(t, np.float32), block)

@@ -313,15 +313,16 @@ class Trainer:
         return {f"host_{k}_ms": 1e3 * self.host_times[f"{k}_s"] / n
                 for k in ("batch", "wait", "loop", "read")}
 
-    def _needs_state(self, step: int, kill_after: set[int]) -> bool:
-        """Whether the loop needs the state after `step` steps as it is (so nothing may be dispatched
-        after it before its metrics are read): it checkpoints, evaluates, ends the run or is killed."""
-        tc = self.cfg.train
-        return (step % tc.checkpoint_every == 0 or step % tc.eval_every == 0 or step >= tc.total_steps
-                or step in kill_after)
+    def _evaluates(self, step: int) -> bool:
+        """Whether the loop evaluates after `step` steps (and then checkpoints, with the metric)."""
+        return step % self.cfg.train.eval_every == 0 or step == self.cfg.train.total_steps
+
+    def _checkpoints(self, step: int) -> bool:
+        """Whether the loop checkpoints after `step` steps whatever the evaluation says."""
+        return step % self.cfg.train.checkpoint_every == 0 or step == self.cfg.train.total_steps
 
     def _dispatch(self, prefetch: batches.Prefetcher, index: int, after_void: jax.Array,
-                  nan_steps: set[int], teacher: Any) -> _InFlight:
+                  nan_steps: set[int]) -> _InFlight:
         """Runs step `index` (0-based) on the next prefetched batch without waiting for it."""
         t_wait = time.perf_counter()
         item = prefetch.next()
@@ -332,12 +333,13 @@ class Trainer:
         scale = jnp.float32(jnp.nan if index in nan_steps else 1.0)
         if self.pgle_target is not None:
             self.train_step = scheduled_step.scheduled_train_step(
-                self.train_step, (self.state, teacher, item.batch, scale, after_void),
+                self.train_step, (self.state, self.models.teacher_params, item.batch, scale, after_void),
                 self.pgle_target, self.out / "pgle", self.cfg,
                 item.host_shape[1] * jax.process_count() // batch_devices(self.mesh))
             self.pgle_target = None
             t_host = time.perf_counter()  # the profile compile is not per-step host work
-        self.state, metrics = self.train_step(self.state, teacher, item.batch, scale, after_void)
+        self.state, metrics = self.train_step(self.state, self.models.teacher_params, item.batch, scale,
+                                              after_void)
         if self.host_times["steps"] > 1:  # the first call compiles: not per-step host work
             self.host_times["loop_s"] += time.perf_counter() - t_host
         return _InFlight(item, scale, metrics)
@@ -369,19 +371,18 @@ class Trainer:
         # after_void of a first step and of every re-run (see make_train_step)
         zero = jax.device_put(np.float32(0.0), self.program.shardings.scalar)
         teacher = self.models.teacher_params
-        in_flight: _InFlight | None = None  # dispatched, its metrics not read yet
-        dispatched = self.step
+        in_flight: _InFlight | None = None  # dispatched, its metrics not read yet (step self.step)
         try:
-            while in_flight is not None or dispatched < tc.total_steps:
+            while in_flight is not None or self.step < tc.total_steps:
                 # Step i+1 is dispatched before step i's metrics are read, so the device runs it while
                 # the host reads, logs and counts. Not after a step whose state the host needs as it is
                 # (a checkpoint, an evaluation, the end, a test's kill): the device idles there.
-                nxt = None
-                if dispatched < tc.total_steps and (in_flight is None
-                                                    or not self._needs_state(dispatched, kill_after)):
+                nxt, index = None, self.step + (in_flight is not None)
+                needs_state = in_flight is not None and (self._evaluates(index) or self._checkpoints(index)
+                                                         or index in kill_after)
+                if index < tc.total_steps and not needs_state:
                     after_void = zero if in_flight is None else in_flight.metrics["void"]
-                    nxt = self._dispatch(prefetch, dispatched, after_void, nan_steps, teacher)
-                    dispatched += 1
+                    nxt = self._dispatch(prefetch, index, after_void, nan_steps)
                 if in_flight is None:
                     in_flight = nxt
                     continue
@@ -431,15 +432,14 @@ class Trainer:
                         f"updates were skipped, the last good checkpoint is {where}. Lower "
                         "train.learning_rate or check the data.")
                 metric = None
-                if self.step % tc.eval_every == 0 or self.step == tc.total_steps:
+                if self._evaluates(self.step):
                     last_eval = self.evaluate()
                     if last_eval is not None:
                         metric = last_eval["metric"]
                         mlog.write("eval", self.step, last_eval)
                         if self.stopper.update(self.step, metric):
                             stop_reason = self.stopper.reason
-                if (self.step % tc.checkpoint_every == 0 or metric is not None or stop_reason
-                        or self.step == tc.total_steps):
+                if self._checkpoints(self.step) or metric is not None or stop_reason:
                     self.save(metric)
                     if self.step in kill_after:
                         self.ckpt.wait()
