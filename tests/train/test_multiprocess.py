@@ -137,10 +137,19 @@ def unique_data(tiny_data, tmp_path_factory):
 
 
 def _stream(unique_data, overrides, tmp_path, index: int, count: int, shards: int | None = 2,
-            batch: int = 8) -> BatchStream:
+            batch: int = 8, batch_devices: int = 2) -> BatchStream:
+    """Process `index` of `count`'s stream; with `shards` None, `data.read_shards` defaults to the
+    batch devices of the mesh the batches are placed on (`batch_devices` here)."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     over = overrides(unique_data, tmp_path, **{"data.read_shards": shards, "data.eval_paths": [],
                                                "data.batch_size": batch})
-    return BatchStream(load_config("tiny_farskip", over), None, 2, process_index=index, process_count=count)
+    mesh = Mesh(np.asarray(jax.devices()[:batch_devices]).reshape(1, batch_devices, 1),
+                ("data", "expert", "tensor"))
+    return BatchStream(load_config("tiny_farskip", over), NamedSharding(mesh, P(None, ("data", "expert"))), 2,
+                       process_index=index, process_count=count)
 
 
 def test_read_shards_are_disjoint_and_assemble_the_one_process_batch(unique_data, overrides, tmp_path):
@@ -161,8 +170,10 @@ def test_data_state_moves_between_process_counts(unique_data, overrides, tmp_pat
     for _ in range(3):
         p0.next_host(), p1.next_host()
     merged = {"read_shards": 2, "shards": {**p0.get_state()["shards"], **p1.get_state()["shards"]}}
-    one = _stream(unique_data, overrides, tmp_path, 0, 1, shards=None)  # null: one shard per process...
-    one.set_state(merged)  # ...but the checkpoint's 2 shards win
+    # Unset read_shards on a 4-device mesh defaults to 4 shards, but the checkpoint's 2 win.
+    one = _stream(unique_data, overrides, tmp_path, 0, 1, shards=None, batch_devices=4)
+    assert one.read_shards == 4
+    one.set_state(merged)
     assert one.read_shards == 2
     a, b, whole = p0.next_host(), p1.next_host(), one.next_host()
     np.testing.assert_array_equal(np.concatenate([a["input_ids"], b["input_ids"]], axis=1),
@@ -172,7 +183,8 @@ def test_data_state_moves_between_process_counts(unique_data, overrides, tmp_pat
     with pytest.raises(UserError, match="read shards but the config sets data.read_shards=3"):
         three.set_state(merged)
     with pytest.raises(UserError, match="cannot resume the checkpoint's data order on 3 process"):
-        _stream(unique_data, overrides, tmp_path, 0, 3, shards=None, batch=6).set_state(merged)
+        _stream(unique_data, overrides, tmp_path, 0, 3, shards=None, batch=6,
+                batch_devices=3).set_state(merged)
     with pytest.raises(UserError, match="data.read_shards=2 cannot be split over 3 processes"):
         _stream(unique_data, overrides, tmp_path, 0, 3)
 
