@@ -524,6 +524,10 @@ class TrainConfig:
     # ZeRO-1: optimizer state of the replicated (non-expert) weights sharded over (data, expert);
     # gradients reduce-scattered, updated parameters all-gathered.
     zero1: bool = True
+    # What those all-gathers move: "compute" = each weight rounded to model.dtype (what the model
+    # casts it to before use; bf16: half the bytes), except the router, read in float32; "param" =
+    # the master weights as stored (param_dtype). Both train bitwise alike (tests/train/test_zero1.py).
+    zero1_gather: Literal["compute", "param"] = "compute"
 
     def validate(self) -> None:
         for name in ("warmup_steps", "kl_chunk_tokens", "grad_accum_steps", "log_every",

@@ -158,6 +158,13 @@ def scaled_assignments(x_nd: jax.Array, routing: Routing, cfg: ModelConfig
     return rows, flat, dataclasses.replace(cfg, num_experts_per_tok=1)
 
 
+# The Params the model reads in float32 whatever `model.dtype` (routing scores are computed in
+# float32, `route`). Every other Param is cast to `model.dtype` before its first use, so a copy
+# rounded to that dtype computes exactly the same thing: ZeRO-1 all-gathers those in it
+# (`farskip_jax.train.zero1.gather_dtypes`; tests/train/test_zero1_gather.py checks the equality).
+FLOAT32_READS = ("router", "router_bias")
+
+
 class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.router = normal_init(rngs, (cfg.hidden_size, cfg.n_routed_experts), DTYPES[cfg.param_dtype])

@@ -159,6 +159,13 @@ def _key(k: Any) -> Any:
     return k
 
 
+def key_name(path: tuple) -> str:
+    """The parameter's own name in a tree path (`.../attn/o_proj` -> "o_proj"; nnx's trailing
+    `value` attribute skipped)."""
+    names = [str(_key(k)) for k in path if _key(k) != "value"]
+    return names[-1] if names else ""
+
+
 def place(state: Any, mesh: Mesh, layout: str) -> Any:
     """Puts every parameter of `state` on `mesh` with its layout's sharding (TP: GQA key/value heads
     copied first where the ranks outnumber them, `replicate_kv_heads`)."""

@@ -127,7 +127,7 @@ class TrainProgram:
                                                                             cached_teacher=cached_teacher)
         teacher = spec.needs_teacher_model if with_teacher is None else with_teacher
         return make_eval_step(spec, self.student_graph, self.teacher_graph if teacher else None,
-                              self.parallel if bounded else self.worst_parallel, self.shardings.compute)
+                              self.parallel if bounded else self.worst_parallel, self.shardings)
 
     def init_state(self, params: nnx.State) -> dict[str, Any]:
         """The train state around placed student params: optimizer state created in its (ZeRO-1)
@@ -172,7 +172,8 @@ def build_program(cfg: Config, mesh: Mesh) -> TrainProgram:
     t_graph, t_abs = abstract_params(t_cfg)
     schedule = lr_schedule(tc)
     tx = make_optimizer(tc, s_abs)
-    shardings = step_shardings(s_abs, tx, mesh, tc.zero1)
+    shardings = step_shardings(s_abs, tx, mesh, tc.zero1,
+                               s_cfg.dtype if tc.zero1_gather == "compute" else None)
     step = make_train_step(spec, s_graph, t_graph if spec.needs_teacher_model else None, tx, schedule,
                            parallel, shardings)
     return TrainProgram(cfg=cfg, mesh=mesh, parallel=parallel, spec=spec, student_cfg=s_cfg,

@@ -169,7 +169,9 @@ class StepShardings:
     replicated); `grads`: the layout of gradients and of the update arithmetic, equal to `compute`
     without ZeRO-1 and split over the batch devices with it (`farskip_jax.train.zero1`); `params`:
     where the state keeps the parameters between steps, the update's layout (`grads`);
-    `opt_state`: the optimizer state's layout, matching `grads`; `scalar`: replicated scalars.
+    `opt_state`: the optimizer state's layout, matching `grads`; `scalar`: replicated scalars;
+    `gather`: the dtype each parameter travels in from `params` to `compute` (a tree of dtypes;
+    `farskip_jax.train.zero1.gather_dtypes`).
     """
 
     params: Any
@@ -177,6 +179,21 @@ class StepShardings:
     opt_state: Any
     scalar: Any
     compute: Any
+    gather: Any
+
+    def to_compute(self, params: nnx.State) -> nnx.State:
+        """The stored parameters in the layout the model computes in. A leaf whose `gather` dtype is
+        narrower is cast to it in its stored (split) layout, all-gathered in it and cast back: the
+        model receives the values it would compute with anyway (it casts them to that dtype), and
+        the gradient is taken with respect to the widened copy, in the master dtype."""
+
+        def one(x: jax.Array, dtype: Any, stored: Any, compute: Any) -> jax.Array:
+            if dtype == x.dtype:
+                return jax.lax.with_sharding_constraint(x, compute)
+            narrow = jax.lax.with_sharding_constraint(x.astype(dtype), stored)
+            return jax.lax.with_sharding_constraint(narrow, compute).astype(x.dtype)
+
+        return jax.tree.map(one, params, self.gather, self.params, self.compute)
 
     @property
     def state(self) -> State:
@@ -216,7 +233,7 @@ def make_train_step(spec: LossSpec, s_graph: nnx.GraphDef, t_graph: nnx.GraphDef
     else:
         to_grad = lambda tree: jax.lax.with_sharding_constraint(tree, shardings.grads)
         to_param = lambda tree: jax.lax.with_sharding_constraint(tree, shardings.params)
-        to_compute = lambda tree: jax.lax.with_sharding_constraint(tree, shardings.compute)
+        to_compute = shardings.to_compute
 
     def step(state: State, t_params: nnx.State | None, batch: Batch, loss_scale: jax.Array,
              after_void: jax.Array):
@@ -284,16 +301,17 @@ def greedy_ids(hidden: jax.Array, head: jax.Array, chunk: int) -> jax.Array:
 
 
 def make_eval_step(spec: LossSpec, s_graph: nnx.GraphDef, t_graph: nnx.GraphDef | None,
-                   parallel: Any = None, param_layout: Any = None) -> Callable[..., dict[str, jax.Array]]:
+                   parallel: Any = None, shardings: StepShardings | None = None
+                   ) -> Callable[..., dict[str, jax.Array]]:
     """`eval(params, teacher_params, batch[B, T]) -> sums`: loss sums, greedy next-token exact matches
     against the data (`correct`) and, with a teacher, against the teacher's greedy token (`agree`).
 
-    `param_layout`: the shardings the model computes in (`StepShardings.compute`); the stored
-    parameters (ZeRO-1: split) are all-gathered into it first."""
+    `shardings`: the train step's; the stored parameters (ZeRO-1: split) are all-gathered into the
+    layout the model computes in first, as the train step does (`StepShardings.to_compute`)."""
 
     def ev(params: nnx.State, t_params: nnx.State | None, batch: Batch):
-        if param_layout is not None:
-            params = jax.lax.with_sharding_constraint(params, param_layout)
+        if shardings is not None:
+            params = shardings.to_compute(params)
         mask = token_mask(spec, batch).astype(jnp.float32)
         ntok = jnp.sum(mask)
         _, m, fw = _micro(spec, s_graph, params, t_graph, t_params, batch, jnp.float32(1.0), 1.0, parallel)

@@ -9,6 +9,12 @@ half of its two phases), AdamW runs on the local slice, and the state keeps the 
 split the same way; each step all-gathers them at its start (`train.step.make_train_step`: the
 forward runs under those all-gathers, and the split master weights save 7/8 of their memory).
 Routed-expert weights are already split over `expert` and keep that layout.
+
+The all-gathers move each weight in the dtype the model computes in (`model.dtype`, bf16: half the
+bytes of the fp32 masters; `train.zero1_gather`), except the few it reads in float32
+(`model.moe.FLOAT32_READS`). That changes no value: every other weight is cast to `model.dtype`
+before its first use, and the gathered copy is cast back to the master dtype, so the gradient is
+taken with respect to the same float32 values as before and keeps its precision.
 """
 
 from __future__ import annotations
@@ -16,11 +22,13 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from farskip_jax.parallel.mesh import BATCH_AXES, param_shardings
+from farskip_jax.model.moe import FLOAT32_READS
+from farskip_jax.parallel.mesh import BATCH_AXES, key_name, param_shardings
 from farskip_jax.train.step import StepShardings
 
 
@@ -54,11 +62,26 @@ def grad_shardings(abstract_params: Any, shardings: Any, mesh: Mesh) -> Any:
                         abstract_params, shardings)
 
 
+def gather_dtypes(abstract_params: Any, compute: Any, grads: Any, dtype: str | None) -> Any:
+    """The dtype each parameter is all-gathered in, a tree like `abstract_params`: `dtype` for a leaf
+    that ZeRO-1 splits (its `grads` layout differs from `compute`), is stored wider and is not one of
+    `FLOAT32_READS`; its own dtype for every other leaf (or every leaf when `dtype` is None)."""
+
+    def leaf(path: tuple, x: Any, c: NamedSharding, g: NamedSharding) -> Any:
+        narrow = dtype is not None and jnp.dtype(dtype).itemsize < jnp.dtype(x.dtype).itemsize
+        if narrow and c.spec != g.spec and key_name(path) not in FLOAT32_READS:
+            return jnp.dtype(dtype)
+        return jnp.dtype(x.dtype)
+
+    return jax.tree_util.tree_map_with_path(leaf, abstract_params, compute, grads)
+
+
 def step_shardings(abstract_params: Any, tx: optax.GradientTransformation, mesh: Mesh,
-                   zero1: bool) -> StepShardings:
+                   zero1: bool, gather_dtype: str | None = None) -> StepShardings:
     """Every layout of the train step: the EP layout the model computes in, and gradients, stored
     parameters and optimizer state (ZeRO-1 split when `zero1`, else the EP layout), replicated
-    scalars."""
+    scalars; `gather_dtype`: what the split weights are all-gathered in (`gather_dtypes`; None: as
+    stored)."""
     compute = param_shardings(abstract_params, mesh, "ep")
     grads = grad_shardings(abstract_params, compute, mesh) if zero1 else compute
     replicated = NamedSharding(mesh, P())
@@ -67,4 +90,5 @@ def step_shardings(abstract_params: Any, tx: optax.GradientTransformation, mesh:
     # gradients' layout; counters and other non-parameter leaves are replicated.
     opt = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, grads,
                                 transform_non_params=lambda _: replicated)
-    return StepShardings(params=grads, grads=grads, opt_state=opt, scalar=replicated, compute=compute)
+    return StepShardings(params=grads, grads=grads, opt_state=opt, scalar=replicated, compute=compute,
+                         gather=gather_dtypes(abstract_params, compute, grads, gather_dtype))
