@@ -94,6 +94,9 @@ def tensor_parallel_mesh(cfg: ModelConfig, devices: Sequence[jax.Device]) -> jax
     return None if n == 1 else make_mesh(MeshConfig(tensor=n), list(devices))
 
 
+CACHE_BLOCK = 64
+
+
 class Generator:
     """Compiled prefill and decode for one model (single device, or TP over `mesh`'s tensor axis).
 
@@ -179,7 +182,9 @@ class Generator:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         batch, width = prompts.shape
-        caches = self.empty_caches(batch, width + max_new_tokens)
+        # Rounded up to whole 64-slot blocks, the MLA decode kernel's (model/mla_decode.py): slots
+        # past a row's position are never attended to, and the kernel does not read them.
+        caches = self.empty_caches(batch, -(-(width + max_new_tokens) // CACHE_BLOCK) * CACHE_BLOCK)
         key = jax.random.key(sampling.seed)
         how = (float(sampling.temperature), float(sampling.top_p))
         ids = jnp.asarray(np.where(prompts == PAD, 0, prompts), jnp.int32)

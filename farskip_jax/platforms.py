@@ -34,6 +34,7 @@ import importlib.util
 import logging
 import os
 import pkgutil
+from typing import Any, Literal
 
 _PLUGIN_LOGGER = "jax._src.xla_bridge"  # logs "Jax plugin configuration error: ..." in discovery
 _NO_AMD_GPU = "No AMD GPUs were found"
@@ -158,6 +159,25 @@ def target_device():
     from jax.extend import backend
 
     return backend.get_default_device()
+
+
+DeviceFamily = Literal["cpu", "cuda", "rocm"]
+
+
+def device_family(device: Any) -> DeviceFamily:
+    """cpu, cuda or rocm for a real or compile-only (deviceless) device: what kernel choices key on.
+
+    Deviceless GPU devices and PJRT-plugin devices both report platform "gpu"; the vendor then
+    comes from the client's platform version or the device kind (the MI300X target says "MI300X").
+    """
+    platform = getattr(device, "platform", "cpu")
+    if platform in ("cpu", "cuda", "rocm"):
+        return platform
+    version = str(getattr(getattr(device, "client", None), "platform_version", "")).lower()
+    kind = str(getattr(device, "device_kind", "")).lower()
+    if "rocm" in version or "hip" in version or "amd" in kind or kind.startswith("mi") or "instinct" in kind:
+        return "rocm"
+    return "cuda"
 
 
 # Importing this module (farskip_jax/__init__.py does, first) is what configures the process, so

@@ -16,6 +16,7 @@ from flax import nnx
 
 from farskip_jax import platforms
 from farskip_jax.config import ConfigError, ModelConfig
+from farskip_jax.model import mla_decode
 from farskip_jax.model.attention_kernels import KERNELS, fused_kernel, kernel_attention
 from farskip_jax.model.flash import blockwise_attention
 from farskip_jax.model.layers import DTYPES, RMSNorm, apply_rope, normal_init, rope_tables, softmax_scale
@@ -114,6 +115,28 @@ def attention_core(q_bthk: jax.Array, k_bshk: jax.Array, v_bshv: jax.Array, segm
     if core == "reference":
         return reference_attention(q_bthk, k_bshk, v_bshv, segment_ids_bt, scale)
     return blockwise_attention(q_bthk, k_bshk, v_bshv, segment_ids_bt, scale, block_q, block_kv)
+
+
+def decode_kernel_family(impl: str, device: Any, dtype: Any) -> str | None:
+    """The device family ("cuda" / "rocm") whose one-read MLA decode kernel `impl`
+    (ModelConfig.attention) means on `device`: where it resolves to a fused attention kernel (H200,
+    MI300X; bf16 / fp16), else None (the einsums: CPU, fp32, blockwise / reference)."""
+    core = resolve_attention(impl, device, dtype)
+    return platforms.device_family(device) if core in ("mosaic_gpu", "pallas_triton") else None
+
+
+def latent_decode_core(q_lat_bthc: jax.Array, q_rope_bthr: jax.Array, latent_bsc: jax.Array,
+                       rope_bsr: jax.Array, positions_bt: jax.Array, scale: float, impl: str = "auto"
+                       ) -> jax.Array:
+    """MLA decode attention over the latent cache: ctx [B, T, H, C] (`model/mla_decode.py`): the
+    one-read kernel where `decode_kernel_family` names one for the device being traced for and the
+    shapes fit it (`mla_decode.fits`), else the two einsums."""
+    family = decode_kernel_family(impl, _target_device(), q_lat_bthc.dtype)
+    if family is not None and mla_decode.fits(latent_bsc.shape[-1], rope_bsr.shape[-1], latent_bsc.shape[1],
+                                              family):
+        return mla_decode.latent_attention(q_lat_bthc, q_rope_bthr, latent_bsc, rope_bsr, positions_bt,
+                                           scale, family)
+    return mla_decode.reference(q_lat_bthc, q_rope_bthr, latent_bsc, rope_bsr, positions_bt, scale)
 
 
 class LatentCache(NamedTuple):
@@ -224,15 +247,8 @@ class MLAttention(nnx.Module):
             cache = cache.write(kv_lat, k_rope, positions_bt)
             q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk)
         with jax.named_scope("core"):
-            latent, rope = cache.latent.astype(dt), cache.k_rope.astype(dt)
-            scores = (jnp.einsum("bthc,bsc->bhts", q_lat, latent, preferred_element_type=jnp.float32)
-                      + jnp.einsum("bthr,bsr->bhts", q_rope, rope, preferred_element_type=jnp.float32))
-            scores = scores * softmax_scale(cfg)
-            slots = jnp.arange(latent.shape[1], dtype=positions_bt.dtype)
-            visible = slots[None, None, :] <= positions_bt[:, :, None]  # [B, T, S]
-            scores = jnp.where(visible[:, None], scores, jnp.finfo(jnp.float32).min)
-            probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-            ctx = jnp.einsum("bhts,bsc->bthc", probs, latent)
+            ctx = latent_decode_core(q_lat, q_rope, cache.latent, cache.k_rope, positions_bt,
+                                     softmax_scale(cfg), cfg.attention)
             out = jnp.einsum("bthc,chv->bthv", ctx, w_uv)
         with jax.named_scope("o_proj"):
             return jnp.einsum("bthv,hvd->btd", self._gate(x_btd, out), self.o_proj[...].astype(dt)), cache

@@ -60,6 +60,8 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from farskip_jax.platforms import device_family
+
 Kernel = Literal["mosaic_gpu", "pallas_triton", "xla"]
 KERNELS: tuple[str, ...] = ("mosaic_gpu", "pallas_triton", "xla")
 FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -106,19 +108,6 @@ def document_starts(segment_ids_bt: jax.Array) -> jax.Array:
     return jax.lax.cummax(jnp.where(first, idx, 0), axis=1)
 
 
-def _family(device: Any) -> str:
-    """cpu, cuda or rocm (model/dispatch.device_family's rule; repeated here so that the attention
-    modules do not import the MoE dispatch module)."""
-    platform = getattr(device, "platform", "cpu")
-    if platform in ("cpu", "cuda", "rocm"):
-        return platform
-    version = str(getattr(getattr(device, "client", None), "platform_version", "")).lower()
-    kind = str(getattr(device, "device_kind", "")).lower()
-    if "rocm" in version or "hip" in version or "amd" in kind or kind.startswith("mi") or "instinct" in kind:
-        return "rocm"
-    return "cuda"
-
-
 def _rocm_arch(device: Any) -> str | None:
     cc = str(getattr(device, "compute_capability", ""))
     return cc if cc.startswith("gfx") else _GFX942_KINDS.get(str(getattr(device, "device_kind", "")))
@@ -132,7 +121,7 @@ def fused_kernel(device: Any, dtype: Any) -> Kernel | None:
     """
     if jnp.dtype(dtype) not in [jnp.dtype(d) for d in FUSED_DTYPES]:
         return None
-    family = _family(device)
+    family = device_family(device)
     if family == "cuda":
         try:
             major = float(getattr(device, "compute_capability", "0"))
@@ -258,7 +247,7 @@ def _embedded(fn: Any, arrays: tuple[jax.Array, ...], static: tuple[Any, ...]) -
 
     shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
     with _on(device):
-        exported = export.export(jax.jit(lambda *a: fn(*a, *static)), platforms=[_family(device)],
+        exported = export.export(jax.jit(lambda *a: fn(*a, *static)), platforms=[device_family(device)],
                                  disabled_checks=[export.DisabledSafetyCheck.custom_call(_TRITON_CALL)])(*shapes)
     return exported.call(*arrays)
 

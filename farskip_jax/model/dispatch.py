@@ -29,30 +29,14 @@ import jax.numpy as jnp
 from farskip_jax.config import ModelConfig
 from farskip_jax.model import schedule
 from farskip_jax.model.grouped_matmul import blocked_matmul, tokamax_ragged_dot
+from farskip_jax.platforms import device_family
 
 ExpertMatmul = Literal["ragged", "tokamax", "padded", "blocked"]
-DeviceFamily = Literal["cpu", "cuda", "rocm"]
 
 # checkpoint_name tags of the expert-parallel all-to-all outputs (parallel/expert.py);
 # remat="save_a2a" (model/transformer.py) saves exactly these.
 A2A_COUNTS, A2A_DISPATCH, A2A_COMBINE = "a2a_counts", "a2a_dispatch", "a2a_combine"
 A2A_NAMES = (A2A_COUNTS, A2A_DISPATCH, A2A_COMBINE)
-
-
-def device_family(device: Any) -> DeviceFamily:
-    """cpu, cuda or rocm for a real or compile-only (deviceless) device.
-
-    Deviceless GPU devices and PJRT-plugin devices both report platform "gpu"; the vendor then
-    comes from the client's platform version or the device kind (the MI300X target says "MI300X").
-    """
-    platform = getattr(device, "platform", "cpu")
-    if platform in ("cpu", "cuda", "rocm"):
-        return platform
-    version = str(getattr(getattr(device, "client", None), "platform_version", "")).lower()
-    kind = str(getattr(device, "device_kind", "")).lower()
-    if "rocm" in version or "hip" in version or "amd" in kind or kind.startswith("mi") or "instinct" in kind:
-        return "rocm"
-    return "cuda"
 
 
 def resolve_matmul(mode: str, device: Any, dtype: str = "bfloat16") -> ExpertMatmul:

@@ -53,7 +53,6 @@ from farskip_jax.model.dispatch import (
     A2A_DISPATCH,
     MoeBuffer,
     buffer_config,
-    device_family,
     drop_over_capacity,
     grouped_ffn,
     moe_buffer,
@@ -66,6 +65,7 @@ from farskip_jax.model.dispatch import (
 )
 from farskip_jax.model.moe import RoutedExperts, Routing, SharedFn
 from farskip_jax.parallel.mesh import BATCH_AXES
+from farskip_jax.platforms import device_family
 
 
 def resolve_exchange(mode: str, mesh: Mesh) -> str:

@@ -94,10 +94,11 @@ _PALLAS_TARGETS = ("mosaic_gpu_v2", "mosaic_gpu", "__gpu$xla.gpu.triton", "trito
 def _kernel_from_op_name(op_name: str) -> str | None:
     """A Pallas kernel's kind from its jax name path: tokamax's ragged_dot kernels (forward, input
     gradient, the ragged-contracting weight gradient) or the fused attention of
-    ``attention_kernels.py`` (under ``attention/core``) and tokamax's flash attention."""
+    ``attention_kernels.py`` (under ``attention/core``), tokamax's flash attention and the MLA decode
+    kernel of ``model/mla_decode.py``."""
     if re.search(r"ragged_(?:contracting_dim_)?dot", op_name):
         return "grouped_gemm"
-    if "attention/core" in op_name or "flash_attention" in op_name:
+    if "attention/core" in op_name or "flash_attention" in op_name or "mla_decode" in op_name:
         return "attention_kernel"
     return None
 
@@ -155,11 +156,23 @@ def _grouped_gemm_flops(comp: Computation, ins: Instr) -> float:
     return 2.0 * math.sqrt(math.prod(sizes))
 
 
+def _mla_decode_flops(comp: Computation, ins: Instr) -> float:
+    """``model/mla_decode.py``'s kernel (q_lat [B, M, C], q_rope [B, M, R], latent [B, S, C], rope
+    [B, S, R]): scores over every slot, then p . latent, at its static (padded) rows and slots."""
+    ops = _float_operands(comp, ins)
+    if len(ops) != 4 or any(len(a) != 3 for a in ops):
+        return 0.0
+    (b, m, c), (_, _, r), (_, s, _) = ops[0], ops[1], ops[2]
+    return 2.0 * b * m * s * (c + r) + 2.0 * b * m * s * c
+
+
 def _attention_flops(comp: Computation, ins: Instr) -> float:
     """tokamax flash attention (q [B, T, H, D], k [B, S, Hk, D], v [B, S, Hk, Dv]): the forward
     runs q.k and p.v over every visible (query, key) pair; a causal mask leaves T (T + 1) / 2 of the
     T x S pairs when S == T. The VJP recomputes q.k and, per output: dq alone = q.k, dO.v, dS.k
     (2 q.k + 1 v); dk and dv = q.k, dO.v, p.dO, dS.q (2 q.k + 2 v); all three: 3 q.k + 2 v."""
+    if "mla_decode" in ins.op_name:
+        return _mla_decode_flops(comp, ins)
     ops = _float_operands(comp, ins)
     # per-device kernels of a custom-partitioned call see one sequence: [T, H, D], no batch dim
     rank = len(ops[0]) if ops else 0
