@@ -8,11 +8,10 @@ import jax
 import numpy as np
 import pytest
 from hlo_count import count_ops, sliced_all_reduces
+from sharded_steps import build, random_batches, run_steps
 
 from farskip_jax.config import load_config
-from farskip_jax.parallel import make_mesh
-from farskip_jax.train import setup
-from farskip_jax.train.program import abstract_train_step, build_program
+from farskip_jax.train.program import abstract_train_step
 from farskip_jax.train.zero1 import batch_devices
 
 # `slow` (CI time budget): two 3-step trainings on 8 host devices and their compiles, ~3 minutes of
@@ -24,18 +23,6 @@ OVERRIDES = {"mesh.data": 2, "mesh.expert": 4, "train.grad_accum_steps": A, "tra
              "train.learning_rate": 1e-3, "train.kl_chunk_tokens": 8}
 
 
-def _batches(vocab: int, b: int) -> list[dict[str, np.ndarray]]:
-    rng = np.random.default_rng(0)
-    out = []
-    for _ in range(STEPS):
-        ids = rng.integers(0, vocab, (A, b, T), dtype=np.int32)
-        out.append({"input_ids": ids, "targets": np.roll(ids, -1, axis=-1),
-                    "loss_mask": (rng.random((A, b, T)) < 0.7).astype(np.int32),
-                    "segment_ids": np.ones((A, b, T), np.int32),
-                    "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (A, b, T)).copy()})
-    return out
-
-
 def _layout(tree) -> list[tuple]:
     """(shape, spec, first addressable shard's shape) of every non-scalar leaf."""
     return [(x.shape, x.sharding.spec, x.addressable_shards[0].data.shape) for x in jax.tree.leaves(tree)
@@ -44,17 +31,10 @@ def _layout(tree) -> list[tuple]:
 
 def _run(zero1: bool) -> dict:
     cfg = load_config("tiny_farskip", {**OVERRIDES, "train.zero1": zero1})
-    mesh = make_mesh(cfg.mesh)
-    prog = build_program(cfg, mesh)
-    models = setup.build_models(cfg, prog)
-    state = prog.init_state(models.student_params)
+    prog, models, state = build(cfg)
     opt0 = _layout(state["opt_state"])
-    b = batch_devices(mesh)
-    losses = []
-    for host in _batches(cfg.model.vocab_size, b):
-        batch = {k: jax.device_put(v, prog.batch_sharding) for k, v in host.items()}
-        state, m = prog.train_step(state, models.teacher_params, batch, np.float32(1.0), np.float32(0.0))
-        losses.append(float(m["loss"]))
+    batches = random_batches(cfg.model.vocab_size, batch_devices(prog.mesh), STEPS, A, T)
+    state, losses, batch = run_steps(prog, models, state, batches)
     scale = jax.ShapeDtypeStruct((), np.float32, sharding=prog.shardings.scalar)
     args = (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state),
             models.teacher_params, batch, scale, scale)

@@ -17,13 +17,12 @@ import jax
 import numpy as np
 import pytest
 from hlo_count import instructions
+from sharded_steps import build, random_batches, run_steps
 
 from farskip_jax.config import load_config
 from farskip_jax.model.moe import FLOAT32_READS
-from farskip_jax.parallel import make_mesh
 from farskip_jax.parallel.mesh import key_name
-from farskip_jax.train import setup
-from farskip_jax.train.program import abstract_train_step, build_program
+from farskip_jax.train.program import abstract_train_step
 from farskip_jax.train.zero1 import batch_devices
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices")
@@ -49,22 +48,9 @@ def _gathered_bytes(hlo: str) -> dict[str, int]:
 
 def _run(gather: str) -> dict:
     cfg = load_config("tiny_farskip", {**OVERRIDES, "train.zero1_gather": gather})
-    mesh = make_mesh(cfg.mesh)
-    prog = build_program(cfg, mesh)
-    models = setup.build_models(cfg, prog)
-    state = prog.init_state(models.student_params)
-    rng = np.random.default_rng(0)
-    b = batch_devices(mesh)
-    losses = []
-    for _ in range(STEPS):
-        ids = rng.integers(0, cfg.model.vocab_size, (1, b, T), dtype=np.int32)
-        host = {"input_ids": ids, "targets": np.roll(ids, -1, axis=-1),
-                "loss_mask": (rng.random((1, b, T)) < 0.7).astype(np.int32),
-                "segment_ids": np.ones((1, b, T), np.int32),
-                "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (1, b, T)).copy()}
-        batch = {k: jax.device_put(v, prog.batch_sharding) for k, v in host.items()}
-        state, m = prog.train_step(state, models.teacher_params, batch, np.float32(1.0), np.float32(0.0))
-        losses.append(float(m["loss"]))
+    prog, models, state = build(cfg)
+    batches = random_batches(cfg.model.vocab_size, batch_devices(prog.mesh), STEPS, 1, T)
+    state, losses, _ = run_steps(prog, models, state, batches)
     return {"losses": losses, "params": jax.tree.map(np.asarray, state["params"]), "prog": prog}
 
 
