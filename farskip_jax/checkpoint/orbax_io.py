@@ -76,7 +76,8 @@ class ParamsWriter:
         from orbax.checkpoint.experimental import v1
         from orbax.checkpoint.experimental.v1 import options
 
-        self.directory = Path(directory)
+        # Absolute: Orbax refuses a relative partial-save snapshot path (a relative --output failed).
+        self.directory = Path(directory).absolute()
         self._session = self.directory / _PARTIAL
         self._v1 = v1
         storage = options.ArrayOptions.Saving.StorageOptions
