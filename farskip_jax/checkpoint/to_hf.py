@@ -332,12 +332,14 @@ class ShardSet:
             last = self.left[i] == 0
         if not last:
             return
-        self.files.pop(i).close()
         with self._lock:
-            with open(self.tmp / SHARDS_DONE, "a") as f:
-                f.write(self.names[i] + "\n")
-                f.flush()
-                os.fdatasync(f.fileno())
+            shard = self.files.pop(i)
+        shard.close()
+        with self._lock:
+            with open(self.tmp / SHARDS_DONE, "a") as listing:
+                listing.write(self.names[i] + "\n")
+                listing.flush()
+                os.fdatasync(listing.fileno())
             self.done.add(i)
             first, self._first_listed = not self._first_listed, True
         if first:
