@@ -18,10 +18,10 @@ Bounded memory: Orbax's one-call `save` needs the whole tree in host memory (the
 convert Llama 70B" failure), so the tree is built group by group (the embedding, each layer's
 non-expert weights, each layer's stacked routed-expert arrays one at a time, the head) with
 `orbax.checkpoint.experimental.v1.partial.save`, and `finalize` merges the per-call OCDBT manifests
-into one (no data is copied; `orbax_io.ParamsWriter`). Reading group i+1 from the safetensors files
-overlaps writing group i, so host memory holds about two groups plus TensorStore's write buffers
-(bench/convert_rss.py checks the peak against baseline + 4 x the largest group), whatever the model
-size. Leaves are numpy arrays (no JAX device is involved while converting), and routed-expert arrays
+into one (no data is copied; `orbax_io.ParamsWriter`). `workers` threads read the next groups from
+the safetensors files while Orbax saves one (one save at a time: Orbax's constraint), so host
+memory holds workers + 2 groups (`memory_bound`; bench/convert_rss.py checks the peak), whatever
+the model size. Leaves are numpy arrays (no JAX device is involved while converting), and routed-expert arrays
 are chunked one expert per chunk, so an expert-parallel restore of any EP size that divides E reads
 exactly its own experts; `orbax_io.restore_params` restores with `jax.ShapeDtypeStruct` targets
 carrying the wanted `NamedSharding`, so each device reads only its slices.

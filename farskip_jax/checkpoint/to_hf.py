@@ -12,9 +12,10 @@ A FarSkip model is exported with `modeling_farskip_{deepseek_v2,deepseek_v3,qwen
 (this package's remote code for transformers) registered in config.json, so that transformers runs
 FarSkip with trust_remote_code.
 
-Host memory stays bounded by one group (a layer's experts): every parameter group is restored on
-its own (a partial restore for training checkpoints), and shards are plain files whose header is
-computed up front from the planned tensor list, so each tensor is appended as soon as it exists.
+Host memory stays bounded by a few groups (a layer's experts each; `convert.memory_bound`): every
+parameter group is restored on its own (a partial restore), `workers` of them ahead, and shards are
+plain files whose header is computed up front from the planned tensor list, so each tensor is
+written at its offset as soon as it exists, by `workers` threads at once, in row blocks.
 """
 
 from __future__ import annotations
