@@ -76,7 +76,8 @@ class ParamsWriter:
         from orbax.checkpoint.experimental import v1
         from orbax.checkpoint.experimental.v1 import options
 
-        self.directory = Path(directory)
+        # Absolute: Orbax refuses a relative partial-save snapshot path (a relative --output failed).
+        self.directory = Path(directory).absolute()
         self._session = self.directory / _PARTIAL
         self._v1 = v1
         storage = options.ArrayOptions.Saving.StorageOptions
@@ -88,6 +89,11 @@ class ParamsWriter:
         self._ctx = v1.Context()
         self._ctx.array.saving.use_compression = compress
         self._ctx.array.saving.scoped_storage_options_creator = scoped
+        # Orbax copies numpy leaves before a save by default (MemoryOptions.deepcopy_host_arrays,
+        # against a caller changing them while an async save runs). `add` blocks until its save is
+        # committed and the arrays are never changed, so the copy only cost one more group in
+        # memory and its page faults (0.86 s for 400 MiB of fresh memory here, 0.14 s the copy).
+        self._ctx.memory_options.deepcopy_host_arrays = False
 
     @staticmethod
     def committed_saves(directory: Path) -> list[Path]:
@@ -124,7 +130,9 @@ class ParamsWriter:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
 
     def add(self, tree: dict) -> None:
-        """Writes `tree` (numpy leaves at paths no earlier call wrote) and returns when it is on disk."""
+        """Writes `tree` (numpy leaves at paths no earlier call wrote) and returns when it is on disk
+        and committed. One call at a time: Orbax stages every partial save of a session in the same
+        temporary directory (`<session>.orbax-checkpoint-tmp`), so two at once fail."""
         with self._ctx:
             self._v1.partial.save(self._session, tree)
 
