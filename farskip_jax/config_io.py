@@ -2,8 +2,8 @@
 (`farskip_jax.config` has the sections, YAML files and `base:` inheritance, and re-exports these).
 
 `from_dict` builds a frozen dataclass from a mapping, coercing YAML/CLI scalars where unambiguous
-and rejecting unknown keys with the allowed ones; `apply_overrides` / `override` set dotted keys
-(`--set model.num_layers=4`).
+and rejecting unknown keys with the allowed ones (a class may name where its former keys went,
+`MOVED_KEYS`); `apply_overrides` / `override` set dotted keys (`--set model.num_layers=4`).
 """
 
 from __future__ import annotations
@@ -94,11 +94,18 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 
 
 def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
-    """Builds dataclass `cls` from a mapping, rejecting unknown keys with the allowed ones. The
-    result is validated when `cls` has a `validate` method."""
+    """Builds dataclass `cls` from a mapping, rejecting unknown keys with the allowed ones; a key
+    that `cls.MOVED_KEYS` maps to its new dotted name is refused with that name. The result is
+    validated when `cls` has a `validate` method."""
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - fields)
+    moved: Mapping[str, str] = getattr(cls, "MOVED_KEYS", {})
+    for name in unknown:
+        if name in moved:
+            key, new = f"{prefix}.{name}" if prefix else name, moved[name]
+            raise ConfigError(f"config key {key!r} has moved to {new!r}: set that instead (YAML: "
+                              f"under `{new.split('.')[0]}:`; command line: --set {new}=VALUE)")
     if unknown:
         key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
         raise ConfigError(f"unknown config key {key!r}; allowed keys under {prefix or 'the top level'}: "
