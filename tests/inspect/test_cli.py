@@ -131,6 +131,40 @@ def test_compare_four_modes_and_their_user_errors(capsys: pytest.CaptureFixture[
     assert "batch split 2 does not divide --seqs-per-device 3" in capsys.readouterr().err
 
 
+def _changed(a, b, prefix: str = "") -> set[str]:
+    """Dotted keys whose values differ between two config dicts."""
+    out = set()
+    for k in sorted(set(a) | set(b)):
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out |= _changed(x, y, f"{prefix}{k}.")
+        elif x != y:
+            out.add(prefix + k)
+    return out
+
+
+@pytest.mark.parametrize("name", ["dsv2lite_farskip", "dsv2lite", "tiny"])
+def test_baselines_change_one_section_only(name: str) -> None:
+    """The inspector's regular baseline differs from the FarSkip run in model.farskip alone (the
+    batch split, and every other execution field, is the config's own); in `--compare four` the
+    split rows differ from the one-stream rows in execution.batch_split alone."""
+    from farskip_jax.config import load_config, to_dict
+    from farskip_jax.inspect import steps
+
+    cfg = load_config(name)
+    modes = ("farskip", "regular", *steps.four_modes(cfg))
+    runs = {mode: to_dict(steps.config_for(cfg, mode)) for mode in modes}
+    assert _changed(runs["farskip"], runs["regular"]) == {"model.farskip.enabled"}
+    assert _changed(to_dict(cfg), runs["farskip" if cfg.model.farskip.enabled else "regular"]) == set()
+    assert runs["regular"]["execution"] == runs["farskip"]["execution"] == to_dict(cfg)["execution"]
+    regular_1, regular_n, farskip_1, farskip_n = steps.four_modes(cfg)
+    assert _changed(runs[regular_1], runs[regular_n]) == {"execution.batch_split"}
+    assert _changed(runs[farskip_1], runs[farskip_n]) == {"execution.batch_split"}
+    assert _changed(runs[regular_1], runs[farskip_1]) == {"model.farskip.enabled"}
+    assert _changed(runs[regular_n], runs[farskip_n]) == {"model.farskip.enabled"}
+    assert runs[regular_1]["execution"]["batch_split"] == 1
+
+
 def test_useful_flops_of_the_step_main_compiles() -> None:
     """The accounting's useful side for the modes `main` builds: the DSV2-Lite FCSD step on 8 GPUs x
     4 x 4096 tokens is the issue's 358 TFLOP per device, whatever the connectivity or split."""
