@@ -209,7 +209,7 @@ VARIANTS: dict[str, list[str]] = {
     # a GSPMD-partitioned attention: XLA einsums over the full [T, T] scores (cudnn_flash_jax, the
     # other GPU choice without TransformerEngine, takes head dims <= 128; MLA's q.k has 192)
     "dot_product": ["attention=dot_product"],
-    # and receive buffers bounded at 2x the balanced rows, our model.moe_buffer_factor (MaxText drops
+    # and receive buffers bounded at 2x the balanced rows, our execution.moe_buffer_factor (MaxText drops
     # the rows past it; ours re-runs the step dropless, a separate program)
     "bounded": ["attention=dot_product", "ragged_buffer_factor=2.0"],
 }

@@ -28,7 +28,7 @@ import numpy as np
 from farskip_jax.checkpoint.common import deep_merge, model_shardings, nest_get, nest_set, raise_problems
 from farskip_jax.checkpoint.hf_io import CheckpointError
 from farskip_jax.checkpoint.hf_keys import param_specs
-from farskip_jax.config import ModelConfig, from_dict, override
+from farskip_jax.config import ModelConfig, from_dict, migrate_stored_config, override
 
 MARKER = "farskip_checkpoint.json"
 MODEL_CONFIG = "model_config.json"
@@ -184,10 +184,16 @@ def marker_params(marker: dict) -> list[dict]:
 
 
 def load_model_config(path: str | Path, **overrides: Any) -> ModelConfig:
+    """The stored ModelConfig of a converted checkpoint, with dotted ModelConfig `overrides`.
+
+    A model_config.json written before `ExecutionConfig` existed also holds the execution keys
+    (`migrate_stored_config` moves them out); they are not used: how a loaded model runs is the
+    caller's (`from_pretrained(..., exe=...)`), and conversion only ever wrote their defaults."""
     f = Path(path) / MODEL_CONFIG
     if not f.is_file():
         raise CheckpointError(f"{path}: no {MODEL_CONFIG}")
-    return override(from_dict(ModelConfig, json.loads(f.read_text()), "model"), overrides, "model")
+    stored = migrate_stored_config({"model": json.loads(f.read_text())})["model"]
+    return override(from_dict(ModelConfig, stored, "model"), overrides, "model")
 
 
 def check_marker_params(path: Path, marker: dict, cfg: ModelConfig) -> None:

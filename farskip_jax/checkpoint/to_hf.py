@@ -82,7 +82,7 @@ from farskip_jax.checkpoint.orbax_io import (
     restore_tree,
     saved_tree_metadata,
 )
-from farskip_jax.config import ConfigError, ModelConfig, from_dict, override
+from farskip_jax.config import ConfigError, ModelConfig, from_dict, migrate_stored_config, override
 
 ST_TAGS = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float8_e4m3fn": "F8_E4M3"}
 FP8_DEFAULT_BLOCK = (128, 128)  # DeepSeek-V3 / R1 as published
@@ -170,18 +170,23 @@ def _trainer_metas(step_dir: Path) -> list[dict]:
 
 
 def trainer_config_dict(step_dir: Path) -> dict | None:
-    """The whole training config stored in a training checkpoint's meta (None if absent)."""
-    return next((m["config"] for m in _trainer_metas(step_dir) if isinstance(m.get("config"), dict)), None)
+    """The whole training config stored in a training checkpoint's meta (None if absent), in
+    today's layout (`migrate_stored_config`: a checkpoint from before `ExecutionConfig` keeps the
+    execution keys under "model")."""
+    stored = next((m["config"] for m in _trainer_metas(step_dir) if isinstance(m.get("config"), dict)), None)
+    return None if stored is None else migrate_stored_config(stored)
 
 
 def trainer_model_config(step_dir: Path) -> ModelConfig:
-    """Our assumption about the trainer's "meta" JSON item (see the module docstring)."""
+    """Our assumption about the trainer's "meta" JSON item (see the module docstring); the model
+    section of a config stored before `ExecutionConfig` existed is migrated (its execution keys,
+    which export and description do not read, moved out)."""
     for meta in _trainer_metas(step_dir):
         for cand in (meta.get("model_config"), meta.get("model"), (meta.get("config") or {}).get("model")):
             if isinstance(cand, dict):
                 if "num_hidden_layers" in cand:
                     return hf_config.model_config(cand)
-                return from_dict(ModelConfig, cand, "model")
+                return from_dict(ModelConfig, migrate_stored_config({"model": cand})["model"], "model")
     raise CheckpointError(f"{step_dir / 'meta'}: no JSON with a model config under 'model_config', 'model' "
                           "or 'config.model'")
 
