@@ -58,7 +58,7 @@ from farskip_jax.checkpoint.convert import (  # noqa: E402
 )
 from farskip_jax.checkpoint.hf_io import np_dtype  # noqa: E402
 from farskip_jax.checkpoint.hf_keys import param_specs  # noqa: E402
-from farskip_jax.checkpoint.to_hf import (  # noqa: E402
+from farskip_jax.checkpoint.safetensors_shards import (  # noqa: E402
     ShardWriter,
     plan_shards,
 )

@@ -29,21 +29,20 @@ carrying the wanted `NamedSharding`, so each device reads only its slices.
 Version-1 directories (one Orbax checkpoint per group under OUT/params/<group>/ plus the marker's
 group index) still load everywhere (`from_pretrained`, `load_params`, `--to-hf`).
 
-Writes go to a temporary sibling directory that is renamed into place at the end; the marker is
-the last file written, so an interrupted conversion never leaves a loadable half checkpoint.
+Writes go to a temporary sibling directory that is renamed into place at the end (`output_dir`,
+shared with the export `to_hf`); the marker is the last file written, so an interrupted conversion
+never leaves a loadable half checkpoint.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import json
-import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -71,17 +70,10 @@ from farskip_jax.checkpoint.orbax_io import (
     VERSION,
     ParamsWriter,
 )
+from farskip_jax.checkpoint.output_dir import atomic_output_dir, output_errors, pause_for_tests
 from farskip_jax.config import ConfigError, ModelConfig, override, to_dict
 
-# Test hook: seconds to sleep after the first group (with --to-hf: shard) is written, to SIGKILL a
-# conversion mid-write.
-TEST_PAUSE_ENV = "FARSKIP_CONVERT_TEST_PAUSE_S"
 DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
-_TMP_TAG = ".farskip-tmp-"
-PLAN_FILE = "convert_plan.json"  # in the temp dir only: what an interrupted conversion was writing
-# In an Orbax -> HF temp dir only: the safetensors shards complete on disk (each name appended after
-# its fdatasync), so that a resumed export starts at the first shard not listed.
-SHARDS_DONE = "shards_done.txt"
 # Threads reading (HF -> Orbax) or restoring and writing (Orbax -> HF) at once; memory grows with it
 # (`memory_bound`), the result does not.
 DEFAULT_WORKERS = 2
@@ -252,96 +244,8 @@ def resolve_dtype(source: TensorSource, specs: list[ParamSpec], requested: str |
     raise CheckpointError(f"{source.dir}: source tensors have dtype(s) {found}; pass --dtype bf16 or fp32")
 
 
-def output_errors(output: Path, overwrite: bool, inputs: list[Path]) -> list[str]:
-    out = output.resolve()
-    for i in inputs:
-        i = i.resolve()
-        if out == i or i in out.parents or out in i.parents:
-            return [f"{output}: the output directory must not contain or be inside the input {i}"]
-    if output.exists() and not output.is_dir():
-        return [f"{output}: exists and is not a directory"]
-    if output.is_dir() and any(output.iterdir()) and not overwrite:
-        return [f"{output}: output directory exists and is not empty; pass --overwrite to replace it"]
-    return []
-
-
 # --------------------------------------------------------------------------------------------
-# Atomic output directory
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-@contextlib.contextmanager
-def atomic_output_dir(output: Path, log: Callable[[str], None] = print, plan: dict | None = None,
-                      resume: bool = False) -> Iterator[Path]:
-    """Yields a temp dir next to `output`, renamed to `output` only when the body succeeds.
-
-    `plan` (what is being converted: `conversion_plan`, `to_hf.export_plan`) is written into the
-    temp dir first. With
-    `resume`, the temp dir of an interrupted conversion (its pid is gone) with the same plan is
-    taken over instead of a new one; without, such dirs are removed. A body that fails after
-    writing keeps its temp dir for a later `resume`.
-    """
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.parent / f".{output.name}{_TMP_TAG}{os.getpid()}"
-    adopted = None
-    for stale in sorted(output.parent.glob(f".{output.name}{_TMP_TAG}*"), key=lambda p: p.stat().st_mtime):
-        pid = stale.name.rsplit("-", 1)[-1]
-        if not pid.isdigit() or _pid_alive(int(pid)):
-            continue
-        if resume and plan is not None:
-            problem = plan_mismatch(stale, plan)
-            if problem is None:
-                if adopted is not None:
-                    shutil.rmtree(adopted, ignore_errors=True)
-                adopted = stale
-                continue
-            raise CheckpointError(f"--resume: {stale} holds an interrupted conversion of something else "
-                                  f"({problem}); rerun with its settings, or without --resume to start over "
-                                  "(that removes it)")
-        hint = " (--resume would continue it instead)" if plan is not None else ""
-        log(f"removing {stale} left by an interrupted conversion{hint}")
-        shutil.rmtree(stale, ignore_errors=True)
-    if adopted is not None:
-        adopted.rename(tmp)
-    else:
-        if resume:
-            log(f"--resume: no interrupted conversion to {output} found; starting from the beginning")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        if plan is not None:
-            (tmp / PLAN_FILE).write_text(json.dumps(plan, indent=1) + "\n")
-    try:
-        yield tmp
-    except BaseException:
-        if plan is not None and (ParamsWriter.committed_saves(tmp) or (tmp / SHARDS_DONE).is_file()):
-            log(f"conversion stopped; what was written is kept in {tmp}: rerun the same command with "
-                "--resume to continue it")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    (tmp / PLAN_FILE).unlink(missing_ok=True)
-    (tmp / SHARDS_DONE).unlink(missing_ok=True)
-    if output.exists():
-        # Rename the old output away first, so the output name always holds a complete checkpoint.
-        old = output.parent / f".{output.name}.farskip-old-{os.getpid()}"
-        output.rename(old)
-        tmp.rename(output)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(output)
-
-
-# --------------------------------------------------------------------------------------------
-# Resuming an interrupted conversion
+# Resuming an interrupted conversion (the temp dir, its plan file and the resume rules: `output_dir`)
 
 
 def conversion_plan(src: Path, source: TensorSource, dtype: str, overrides: dict[str, Any],
@@ -352,22 +256,6 @@ def conversion_plan(src: Path, source: TensorSource, dtype: str, overrides: dict
     return {"direction": "hf-to-orbax", "version": VERSION, "source": str(src.resolve()), "dtype": dtype,
             "overrides": {k: overrides[k] for k in sorted(overrides)}, "compress": compress, "mesh": mesh,
             "files": {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}}
-
-
-def plan_mismatch(tmp: Path, plan: dict) -> str | None:
-    """None if the interrupted conversion in `tmp` was converting exactly `plan`, else what differs."""
-    f = tmp / PLAN_FILE
-    if not f.is_file():
-        return f"no {PLAN_FILE}"
-    old = json.loads(f.read_text())
-    for key in plan:
-        if key == "files" and old.get("files") != plan["files"]:
-            changed = sorted(n for n in set(plan["files"]) | set(old.get("files", {}))
-                             if plan["files"].get(n) != old.get("files", {}).get(n))
-            return f"input files changed since: {', '.join(changed[:3])}"
-        if old.get(key) != plan[key]:
-            return f"{key} was {old.get(key)!r}, now {plan[key]!r}"
-    return None
 
 
 def written_paths(tmp: Path) -> set[tuple]:
@@ -382,14 +270,6 @@ def progress_bar(total: int, desc: str, enabled: bool):
 
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not enabled,
                 dynamic_ncols=True)
-
-
-def pause_for_tests(what: str) -> None:
-    """Sleeps TEST_PAUSE_ENV seconds (if set) after the first `what` is on disk."""
-    pause = float(os.environ.get(TEST_PAUSE_ENV, "0") or 0)
-    if pause > 0:
-        print(f"farskip-convert: test pause after the first {what}", flush=True)
-        time.sleep(pause)
 
 
 # --------------------------------------------------------------------------------------------

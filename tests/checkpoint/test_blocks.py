@@ -11,9 +11,11 @@ import pytest
 
 from farskip_jax.checkpoint import common
 from farskip_jax.checkpoint.common import row_ranges
-from farskip_jax.checkpoint.convert import SHARDS_DONE, progress_bar
+from farskip_jax.checkpoint.convert import progress_bar
 from farskip_jax.checkpoint.hf_io import SCALE_SUFFIX, TensorSource, fp8_scale_shape, quantize_fp8
-from farskip_jax.checkpoint.to_hf import ShardSet, TensorWriter
+from farskip_jax.checkpoint.output_dir import SHARDS_DONE
+from farskip_jax.checkpoint.safetensors_shards import ShardSet
+from farskip_jax.checkpoint.to_hf import TensorWriter
 
 torch = pytest.importorskip("torch")
 

@@ -21,9 +21,9 @@ transformers = pytest.importorskip("transformers")
 
 from convert_torch_ckpt import main as cli  # noqa: E402
 from farskip_jax import from_pretrained  # noqa: E402
-from farskip_jax.checkpoint.convert import TEST_PAUSE_ENV  # noqa: E402
 from farskip_jax.checkpoint.hf_io import CheckpointError, TensorSource  # noqa: E402
 from farskip_jax.checkpoint.orbax_io import MARKER, load_model_config  # noqa: E402
+from farskip_jax.checkpoint.output_dir import TEST_PAUSE_ENV  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 E = 8
@@ -434,7 +434,7 @@ def test_to_hf_resume_keeps_shards_finished_out_of_order(orbax_dir, tmp_path, ca
     """Shards are written at once and may finish in any order: a resumed export keeps every listed
     shard (here the 4th, without the 1st to 3rd: copied from an uninterrupted export) and writes the
     rest; a listed shard whose file is short is written again."""
-    from farskip_jax.checkpoint.convert import PLAN_FILE, SHARDS_DONE
+    from farskip_jax.checkpoint.output_dir import PLAN_FILE, SHARDS_DONE
     from farskip_jax.checkpoint.to_hf import export_plan
 
     shard = ["--max-shard-size", "40KB"]
