@@ -444,6 +444,11 @@ class TrainConfig:
     log_every: int = 10
     checkpoint_every: int = 500
     keep_checkpoints: int = 3
+    # The most GB of a checkpoint held in a process's host memory at once while it is saved (Orbax's
+    # device-to-host copies, made in the background in batches of this size while training goes on;
+    # checkpoint/manager.py). Costs one device-side copy of the state per GPU for the save's duration.
+    # null: the whole state is copied to host memory inside save() (no device copy). BENCHMARKS.md K7.
+    checkpoint_staging_gb: float | None = 8.0
     eval_every: int = 1000
     eval_batches: int = 4
     patience: int = 20
@@ -482,6 +487,9 @@ class TrainConfig:
             raise ConfigError(f"train.kl_temperature must be > 0, got {self.kl_temperature}")
         if not 0 <= self.drop_threshold < 1:
             raise ConfigError(f"train.drop_threshold must be in [0, 1), got {self.drop_threshold}")
+        if self.checkpoint_staging_gb is not None and self.checkpoint_staging_gb <= 0:
+            raise ConfigError("train.checkpoint_staging_gb must be null (no bound) or > 0, got "
+                              f"{self.checkpoint_staging_gb}")
         self.gen_eval.validate()
         if self.eval_metric in ("exact_match", "pass_at_1") and self.gen_eval.path is None:
             raise ConfigError(f"train.eval_metric={self.eval_metric} is measured by generation: set "

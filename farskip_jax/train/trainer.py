@@ -133,7 +133,8 @@ class Trainer:
         self.train_step = self.program.train_step
         self.eval_step = self.program.eval_step()
         self._worst_eval_step = None  # built when an eval batch first overflows
-        self.ckpt = CheckpointManager(self.out / "checkpoints", tc.keep_checkpoints)
+        self.ckpt = CheckpointManager(self.out / "checkpoints", tc.keep_checkpoints,
+                                      staging_gb=tc.checkpoint_staging_gb)
         self.stopper = EarlyStopper(tc.patience, tc.drop_threshold)
         self.gen_eval = None
         if tc.gen_eval.path is not None:

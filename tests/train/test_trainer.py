@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -209,6 +210,37 @@ def test_truncated_checkpoint_skipped(reference, cfg_for, tmp_path, caplog):
         assert tr.resume()
     assert tr.step == steps[-2]
     assert any("unreadable" in r.message and str(steps[-1]) in r.message for r in caplog.records)
+
+
+def test_checkpoints_written_while_later_steps_run_are_their_steps_bitwise(reference, cfg_for, tmp_path):
+    """With a staging bound far below one array (train.checkpoint_staging_gb), every save copies the
+    arrays off the devices in batches after save() returned, while the next steps run and donate the
+    state: each checkpoint is still the state at its step, bit for bit, and training is unchanged."""
+    out = tmp_path / "bounded"
+    tr = trainer_mod.Trainer(cfg_for(out, **{"train.checkpoint_staging_gb": 1e-5,
+                                             "train.keep_checkpoints": 10}))
+    kept: dict[int, tuple[dict, Any]] = {}
+    saving_at_dispatch: list[bool] = []
+    save, step = tr.save, tr.train_step
+
+    def save_and_keep(eval_metric: float | None = None) -> None:
+        kept[tr.step] = jax.tree.map(np.array, (tr._pure_params(), tr.state["opt_state"]))
+        save(eval_metric)
+
+    def step_and_look(*args: Any) -> Any:
+        saving_at_dispatch.append(tr.ckpt.saving())
+        return step(*args)
+
+    tr.save, tr.train_step = save_and_keep, step_and_look
+    assert tr.run()["steps"] == STEPS
+    assert _train_losses(out) == _train_losses(reference["out"])
+    assert sorted(kept) == [8, 12, 16, 24] and tr.ckpt.steps() == sorted(kept)
+    assert any(saving_at_dispatch), "no step ran while a save was being written: nothing tested"
+    for s, (params, opt_state) in kept.items():
+        got = tr.ckpt.restore(tr._pure_params(), tr.state["opt_state"], step=s)
+        assert got is not None and got[0] == s
+        for a, b in zip(jax.tree.leaves((got[1], got[2])), jax.tree.leaves((params, opt_state)), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), b)
 
 
 def test_nonfinite_guard(cfg_for, tmp_path, monkeypatch):
