@@ -215,7 +215,8 @@ def test_truncated_checkpoint_skipped(reference, cfg_for, tmp_path, caplog):
 def test_checkpoints_written_while_later_steps_run_are_their_steps_bitwise(reference, cfg_for, tmp_path):
     """With a staging bound far below one array (train.checkpoint_staging_gb), every save copies the
     arrays off the devices in batches after save() returned, while the next steps run and donate the
-    state: each checkpoint is still the state at its step, bit for bit, and training is unchanged."""
+    state: each checkpoint is still the state at its step, bit for bit, training is unchanged, and a run
+    resumed from one of them continues with the same losses bit for bit."""
     out = tmp_path / "bounded"
     tr = trainer_mod.Trainer(cfg_for(out, **{"train.checkpoint_staging_gb": 1e-5,
                                              "train.keep_checkpoints": 10}))
@@ -241,6 +242,19 @@ def test_checkpoints_written_while_later_steps_run_are_their_steps_bitwise(refer
         assert got is not None and got[0] == s
         for a, b in zip(jax.tree.leaves((got[1], got[2])), jax.tree.leaves((params, opt_state)), strict=True):
             np.testing.assert_array_equal(np.asarray(a), b)
+    tr.ckpt.close()
+    # Resumed from one of those checkpoints (12: the newest once the later ones are gone), the run
+    # goes on with the uninterrupted run's losses bit for bit.
+    resumed = tmp_path / "bounded_resumed"
+    shutil.copytree(out, resumed)
+    for s in (16, 24):
+        shutil.rmtree(resumed / "checkpoints" / str(s))
+    tr2 = trainer_mod.Trainer(cfg_for(resumed, **{"train.checkpoint_staging_gb": 1e-5,
+                                                  "train.keep_checkpoints": 10}))
+    assert tr2.run(resume=True)["steps"] == STEPS
+    got_losses = _train_losses(resumed)
+    assert sorted(got_losses) == list(range(1, STEPS + 1))
+    assert got_losses == _train_losses(reference["out"])
 
 
 def test_nonfinite_guard(cfg_for, tmp_path, monkeypatch):
