@@ -35,6 +35,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+# This checkout's package, not whichever one the environment has installed (the children inherit it).
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
 FULL_PARAMS = 15.71e9  # DeepSeek-V2-Lite (`python -m farskip_jax describe --config dsv2lite_farskip`)
 BYTES_PER_PARAM = 12  # fp32 master + two fp32 AdamW moments (the teacher is not saved)
 GPUS_PER_NODE = 8
@@ -255,7 +259,7 @@ def main() -> None:
     ap.add_argument("--dense-intermediate", type=int, default=1408,
                     help="model.intermediate_size of the dense first layer (DSV2-Lite: 10944)")
     ap.add_argument("--batch", type=int, default=2,
-                    help="sequences per step (a multiple of the config's model.batch_split, 2)")
+                    help="sequences per step (a multiple of the config's execution.batch_split, 2)")
     ap.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
     ap.add_argument("--saves", type=int, default=3, help="saves per bound, steps running during each")
     ap.add_argument("--base-steps", type=int, default=5, help="steps without a save (the RSS baseline)")
