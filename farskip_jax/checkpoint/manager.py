@@ -19,7 +19,8 @@
   device memory for the duration of the save, in exchange for host memory bounded by `staging_gb`.
 * After each save the process hands the host memory its writer threads freed back to the OS
   (`malloc_trim`): glibc keeps it in per-thread arenas otherwise, and a new save's threads do not
-  reuse all of it, so the process grew by up to another ~1-2 states over a few saves (BENCHMARKS K7).
+  reuse all of it, so the process grows across saves (measured for the converter's Orbax saves,
+  BENCHMARKS 5).
 """
 
 from __future__ import annotations

@@ -166,7 +166,7 @@ def test_staging_bound_config_is_validated():
 
 
 def test_each_finished_save_hands_freed_host_memory_back(tmp_path, monkeypatch):
-    """The writer threads' freed buffers stay in glibc's arenas unless trimmed (BENCHMARKS K7): the
+    """The writer threads' freed buffers stay in glibc's arenas unless trimmed (BENCHMARKS 5): the
     manager trims once per save, after the items are written, async or not."""
     from farskip_jax.checkpoint import manager
 
