@@ -87,7 +87,13 @@ def moe_buffer(cfg: ModelConfig, tokens: int, ranks: int, seq_len: int, sources:
     """
     k, local = cfg.num_experts_per_tok, cfg.n_routed_experts // ranks
     worst = sources * min(tokens * min(k, local), local * rows_per_expert(tokens, seq_len, cfg))
-    balanced = sources * tokens * k / ranks
+    return bounded_buffer(cfg, sources * tokens * k / ranks, worst)
+
+
+def bounded_buffer(cfg: ModelConfig, balanced: float, worst: int) -> MoeBuffer:
+    """`cfg.moe_buffer_factor` x `balanced` rows, rounded up to 8, at most `worst` (factor 0: `worst`):
+    the sizing rule of every bounded routed-expert buffer (`moe_buffer`, and the node-aware
+    exchange's stages in parallel/node_aware.py)."""
     if cfg.moe_buffer_factor <= 0:
         return MoeBuffer(worst, worst, balanced)
     bound = 8 * math.ceil(math.ceil(cfg.moe_buffer_factor * balanced) / 8)
