@@ -10,28 +10,30 @@ C(64,6)) = 2.5 crossings per token instead of 4.5 (an estimate; the real share d
 router).
 
 Mesh. The knob is `mesh.expert_per_node` (`ExpertParallel(expert_per_node=...)`; 0, the default,
-is the flat exchange). The model's mesh keeps its (data, expert, tensor) axes, so every sharding,
-parameter layout and batch layout stays as it is; only the shard_maps of the routed experts run on
-a finer view of the same devices, `expert` factored into (`node`, `local`) (`node_mesh`). Expert
-rank g = node * expert_per_node + local, which is where `parallel.make_mesh` puts devices (process
-major, so with one process per node `node` is the node); the shardings are the same device for
-device, so the view moves nothing. Why not axis groups on the flat axis: shard_map's collectives
-take mesh axes, and a sub-axis is what XLA's replica groups then name, which is also what the
-inspector's link model reads to tell NIC from NVLink traffic (xla/costs.py). Why a mesh knob and
-not an exchange mode: which ranks share a node is a property of the machine the mesh is laid on.
+is the flat exchange). The mesh keeps its (data, expert, tensor) axes, so every sharding, parameter
+layout and batch layout stays as it is; the expert axis is read as nodes of `expert_per_node`
+consecutive ranks (rank g = node * expert_per_node + local: where `parallel.make_mesh` puts the
+devices, process major, one process per node), and each stage is a collective over `expert` within
+groups of its indices (`node_groups`): the inter-node stage among the ranks with one local index
+(one per node), the in-node stage among a node's ranks. Why groups and not two mesh axes: JAX
+takes one mesh per program, and the trainer's step pins its arguments and results to the
+(data, expert, tensor) mesh (a shard_map over an (expert -> node, local) view of the same devices
+does not lower inside it). XLA prints the groups as replica groups, which is what the inspector's
+link model reads to tell NIC from NVLink traffic (xla/costs.py). Why a mesh knob and not an
+exchange mode: which ranks share a node is a property of the machine the mesh is laid on.
 
 Data flow, per source rank (s, j) (node s, local index j), N tokens, K choices, E experts, Nn
 nodes of Lr ranks, El = E / (Nn Lr) experts per rank, En = E / Nn per node:
-  0. Capacity drops (as everywhere), then one tiny all_gather over (node, local) of every rank's
+  0. Capacity drops (as everywhere), then one tiny all_gather over `expert` of every rank's
      rows per destination node, where they start in its sorted rows, and its assignments per
      expert. From it every rank knows both stages' send and receive counts, every buffer's load
      (so all agree on an overflow), and the in-node plans: no count is exchanged between stages.
-  1. Dispatch, between nodes (axis `node`, peers (d, j)): the source sorts its (token, node)
+  1. Dispatch, between nodes (peers (d, j) for every node d): the source sorts its (token, node)
      pairs by destination node and sends each token once to every node that holds one of its
      experts, to the rank with its own local index there, together with the token's node-local
      expert ids and router weights (bit-packed into the row: one exchange, exact in both
      directions).
-  2. Dispatch, inside the node (axis `local`): that intermediate rank sorts the (row, choice)
+  2. Dispatch, inside the node (peers (d, r) for every r): that intermediate rank sorts the (row, choice)
      assignments it received by node-local expert and sends each row to the rank owning the
      expert: the flat exchange, over the node's Lr ranks.
   3. The experts: the flat path's grouped FFN over the received rows (`_regroup`, `_expert_ffn`).
@@ -88,23 +90,25 @@ from farskip_jax.model.dispatch import (
     drop_over_capacity,
     rows_per_expert,
     sort_by_group,
+    take_rows,
     weighted_sum,
 )
 from farskip_jax.model.moe import RoutedExperts, Routing, SharedFn
-from farskip_jax.parallel.expert import _expert_ffn, _Plan, _ragged_move, _regroup
+from farskip_jax.parallel.expert import Groups, _expert_ffn, _Plan, _ragged_move, _regroup, _Route
+from farskip_jax.parallel.mesh import BATCH_AXES
 
-NODE, LOCAL = "node", "local"
-NODE_BATCH_AXES = ("data", NODE, LOCAL)  # the model's ("data", "expert") on the node view
+AXIS = "expert"
 
 
-def node_mesh(mesh: Mesh, expert_per_node: int) -> Mesh:
-    """`mesh` (data, expert, tensor) with `expert` factored into (node, local): the same devices in
-    the same order; expert rank g is (g // expert_per_node, g % expert_per_node)."""
-    data, expert, tensor = (mesh.shape[a] for a in ("data", "expert", "tensor"))
+def node_groups(expert: int, expert_per_node: int) -> tuple[Groups, Groups]:
+    """(inter-node groups: the ranks with one local index, one per node; in-node groups: each node's
+    ranks), as axis_index_groups of the `expert` axis; rank g is on node g // expert_per_node."""
     if expert_per_node < 1 or expert % expert_per_node:
         raise ValueError(f"mesh.expert_per_node={expert_per_node} does not divide mesh.expert={expert}")
-    grid = mesh.devices.reshape(data, expert // expert_per_node, expert_per_node, tensor)
-    return Mesh(grid, ("data", NODE, LOCAL, "tensor"))
+    nodes = expert // expert_per_node
+    across = tuple(tuple(d * expert_per_node + j for d in range(nodes)) for j in range(expert_per_node))
+    inside = tuple(tuple(d * expert_per_node + j for j in range(expert_per_node)) for d in range(nodes))
+    return across, inside
 
 
 def expected_nodes_per_token(experts: int, nodes: int, k: int) -> float:
@@ -171,14 +175,15 @@ _unpack.defvjp(_unpack_fwd, _unpack_bwd)
 
 @dataclass(frozen=True)
 class _Stage:
-    """One exchange over mesh axis `axis` among `peers` ranks: each sender's rows are sorted by
+    """One exchange over the `expert` axis within `groups` of `peers` ranks (a rank's index in its
+    group is `me`): each sender's rows are sorted by
     destination; each receiver holds its senders' blocks in sender order, packed (ragged: `slot`
     rows for all of them) or at fixed offsets (padded: `slot` rows per sender).
 
     Arguments named `counts_sd` / `starts_sd` [sender, receiver] hold every pair's row count and
     where those rows start in the sender's sorted rows (all 0 on an overflow: nothing moves)."""
 
-    axis: str
+    route: _Route  # the axis, the groups, and the rows balanced routing moves per device
     peers: int
     exchange: str
     slot: int
@@ -211,13 +216,18 @@ class _Stage:
         """The sender's sorted rows [A, W] (and float32 side columns [A, M], bit-packed into the same
         exchange) into the receivers' buffers: ([rows, W], [rows, M] or None).
 
+        `dep` (here and in `combine`): an int array, never negative at [0], that varies over the mesh
+        like the tokens (not a sort's permutation: argsort drops that type); the ragged exchange's
+        result is typed like its output buffer, which `dep` makes mesh-varying. A mesh-invariant
+        buffer would make JAX psum its cotangent over the mesh in the backward pass.
+
         The packing wraps the exchange alone: no arithmetic (a gather's scatter-add transpose, a
         select's zeros) ever sees the packed bits, which bf16 arithmetic would not keep."""
         side = None if side_am is None else side_am.shape[1]
         if self.exchange == "ragged":
             packed = rows_aw if side is None else _pack(rows_aw, side_am)
             out = schedule.fresh_zeros(self.rows, packed, dep)
-            recv = _ragged_move(self.axis, packed, out, self.plan(counts_sd, starts_sd, me))
+            recv = _ragged_move(self.route, packed, out, self.plan(counts_sd, starts_sd, me))
         else:
             b = self.slot
             slot_gq = jnp.minimum(starts_sd[me][:, None] + jnp.arange(b, dtype=jnp.int32),
@@ -228,7 +238,8 @@ class _Stage:
                 side_gqm = jnp.where(filled_gq1, side_am[slot_gq], 0.0)
                 buf = _pack(buf.reshape(-1, buf.shape[-1]), side_gqm.reshape(-1, side)).reshape(
                     self.peers, b, -1)
-            recv = jax.lax.all_to_all(buf, self.axis, 0, 0).reshape(self.rows, -1)
+            recv = jax.lax.all_to_all(buf, AXIS, 0, 0, axis_index_groups=self.route.groups).reshape(
+                self.rows, -1)
         recv = checkpoint_name(recv, A2A_DISPATCH)
         return (recv, None) if side is None else _unpack(recv, side)
 
@@ -243,11 +254,12 @@ class _Stage:
             out = schedule.fresh_zeros(rows, back_rw, dep)
             if after is not None:
                 out = schedule.after_by_data(out, after)
-            moved = _ragged_move(self.axis, back_rw, out, self.plan(counts_sd, starts_sd, me).transposed())
+            moved = _ragged_move(self.route, back_rw, out, self.plan(counts_sd, starts_sd, me).transposed())
         else:
             assert dest_a is not None
             b = self.slot
-            buf = jax.lax.all_to_all(back_rw.reshape(self.peers, b, -1), self.axis, 0, 0)
+            buf = jax.lax.all_to_all(back_rw.reshape(self.peers, b, -1), AXIS, 0, 0,
+                                     axis_index_groups=self.route.groups)
             row_a = dest_a * b + jnp.arange(rows, dtype=jnp.int32) - starts_sd[me][dest_a]
             moved = buf.reshape(self.rows, -1)[jnp.clip(row_a, 0, self.rows - 1)]
         return checkpoint_name(moved, A2A_COMBINE)
@@ -265,6 +277,7 @@ class _NodeState(NamedTuple):
     lid_rk: jax.Array  # [R1, K] node-local expert ids of the received rows (En: none)
     w_rk: jax.Array  # [R1, K] their router weights (float32; differentiable)
     inv_a: jax.Array  # [R1 * K] received assignment -> its row in the stage-2 sorted rows
+    order_a: jax.Array  # [S2] stage-2 sorted row -> received assignment
     counts1: jax.Array  # [1, Nn, Nn] stage-1 rows per (sender node, receiver node) of my node group
     starts1: jax.Array  # [1, Nn, Nn] where they start in the sender's sorted pairs
     counts2: jax.Array  # [1, Lr, Lr, El] stage-2 rows per (sender, receiver, receiver's expert) in my node
@@ -322,9 +335,20 @@ class _NodeShard:
         return b1, s2, b2
 
     def stages(self, n: int) -> tuple[_Stage, _Stage]:
+        """The two exchanges. Each declares the rows it moves per device under balanced, uniform
+        routing (`_Route.balanced_rows`): stage 1 one row per (token, node), N q; stage 2 one per
+        (token, expert), N K."""
         b1, _, b2 = self.buffers(n)
-        return (_Stage(NODE, self.nodes, self.exchange, b1.rows),
-                _Stage(LOCAL, self.per_node, self.exchange, b2.rows))
+        across, inside = node_groups(self.ranks, self.per_node)
+        k = self.cfg.num_experts_per_tok
+        q = expected_nodes_per_token(self.cfg.n_routed_experts, self.nodes, k)
+        return (_Stage(_Route(AXIS, across, math.ceil(n * q)), self.nodes, self.exchange, b1.rows),
+                _Stage(_Route(AXIS, inside, n * k), self.per_node, self.exchange, b2.rows))
+
+    def _where(self) -> tuple[jax.Array, jax.Array]:
+        """(my node, my local index): my index in the inter-node and in the in-node group."""
+        g = jax.lax.axis_index(AXIS)
+        return g // self.per_node, g % self.per_node
 
     def _counts(self, n: int, ids_nk: jax.Array, pair_starts: jax.Array
                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -333,8 +357,8 @@ class _NodeShard:
         e, nn, lr, el = self.cfg.n_routed_experts, self.nodes, self.per_node, self.local
         per_expert = jnp.zeros(e + 1, jnp.int32).at[ids_nk.reshape(-1)].add(1)[:e]
         mine = jnp.concatenate([jnp.diff(pair_starts), pair_starts[:-1], per_expert])  # [2 Nn + E]
-        # [G sources, 2 Nn + E], source g = node * Lr + local (all_gather over both axes, node major)
-        every = checkpoint_name(jax.lax.all_gather(mine, (NODE, LOCAL)), A2A_COUNTS)
+        # [G sources, 2 Nn + E], source g = node * Lr + local
+        every = checkpoint_name(jax.lax.all_gather(mine, AXIS), A2A_COUNTS)
         c1 = every[:, :nn].reshape(nn, lr, nn)  # [src node, src local, dst node]
         st1 = every[:, nn:2 * nn].reshape(nn, lr, nn)
         cnt = every[:, 2 * nn:].reshape(nn, lr, nn, lr, el)  # [src node, src local, dst node, dst local, l]
@@ -343,7 +367,7 @@ class _NodeShard:
         send2 = cnt.sum(axis=(0, 3, 4))  # [j, d]: intermediate (d, j)'s stage-2 rows
         load2 = cnt.sum(axis=(0, 1, 4)) if self.exchange == "ragged" else cnt.sum(axis=(0, 4))
         overflow = jnp.any(load1 > b1.rows) | jnp.any(send2 > s2.rows) | jnp.any(load2 > b2.rows)
-        node, loc = jax.lax.axis_index(NODE), jax.lax.axis_index(LOCAL)
+        node, loc = self._where()
         counts1 = jnp.where(overflow, 0, c1[:, loc, :])
         counts2 = jnp.where(overflow, 0, cnt[:, :, node].sum(axis=0))  # [j, r, l], summed over src nodes
         return counts1, st1[:, loc, :], counts2, overflow
@@ -368,7 +392,7 @@ class _NodeShard:
         _, s2, _ = self.buffers(n)
         s1 = self.pair_rows(n)
         ids_nk, dropped = drop_over_capacity(experts_nk, weights_nk, self.seq_len, self.cfg)
-        node, loc = jax.lax.axis_index(NODE), jax.lax.axis_index(LOCAL)
+        node, loc = self._where()
         with jax.named_scope("dispatch"):
             node_nk = ids_nk // en  # Nn for a dropped assignment
             present_nd = jnp.any(node_nk[:, :, None] == jnp.arange(nn, dtype=node_nk.dtype), axis=1)
@@ -382,7 +406,7 @@ class _NodeShard:
                                en)
             side_qm = jnp.concatenate([lid_qk.astype(jnp.float32), weights_nk[token_q].astype(jnp.float32)],
                                       axis=1)
-            x_rd, side_rm = stage1.dispatch(x_nd[token_q], side_qm, counts1, starts1, node, pairs.order_a)
+            x_rd, side_rm = stage1.dispatch(x_nd[token_q], side_qm, counts1, starts1, node, key_p)
             got_r = stage1.received(counts1, node)
             lid_rk = jnp.where(got_r[:, None], jnp.round(side_rm[:, :k]).astype(jnp.int32), en)
             w_rk = side_rm[:, k:]
@@ -390,15 +414,16 @@ class _NodeShard:
             srt = sort_by_group(lid_rk.reshape(-1), en)
             counts2_sd = counts2.sum(axis=2)
             recv2, _ = stage2.dispatch(x_rd[srt.order_a[:s2.rows] // k], None, counts2_sd,
-                                       self._starts2(counts2), loc, srt.order_a)
+                                       self._starts2(counts2), loc, lid_rk)
         with jax.named_scope("experts"):
             rows2 = stage2.rows
             rg = _regroup(counts2[:, loc], stage2.blocks(counts2_sd)[:, loc], rows2)
             per_expert = min(self.ranks * rows_per_expert(n, self.seq_len, self.cfg), rows2)
             back_rd = _expert_ffn(self.matmul, per_expert, recv2, rg, w_gate, w_up, w_down)
         if self.cfg.capacity_factor > 0:  # equal tokens per shard: the mean of means is the global mean
-            dropped = jax.lax.pmean(dropped, NODE_BATCH_AXES)
+            dropped = jax.lax.pmean(dropped, BATCH_AXES)
         state = _NodeState(present_nd & ~overflow, pairs.inv_a, node_q, lid_rk, w_rk, srt.inv_a,
+                           srt.order_a[:s2.rows],
                            counts1[None], starts1[None], counts2[None], overflow.astype(jnp.int32)[None])
         return back_rd, state, dropped, state.overflow
 
@@ -409,23 +434,61 @@ class _NodeShard:
         stage1, stage2 = self.stages(n)
         _, s2, _ = self.buffers(n)
         counts1, starts1, counts2 = st.counts1[0], st.starts1[0], st.counts2[0]
-        node, loc = jax.lax.axis_index(NODE), jax.lax.axis_index(LOCAL)
+        node, loc = self._where()
         with jax.named_scope("combine"):
             # stage 2 back to the intermediate, in its sorted order: [S2, D]
             dest_a = None
             if self.exchange == "padded":
-                dest_a = jnp.minimum(jnp.sort(st.lid_rk.reshape(-1))[:s2.rows] // el, lr - 1)
+                dest_a = jnp.minimum(st.lid_rk.reshape(-1)[st.order_a] // el, lr - 1)
             y_ad = stage2.combine(back_rd, counts2.sum(axis=2), self._starts2(counts2), loc, s2.rows, dest_a,
-                                  st.inv_a, after=after_nd)
+                                  st.lid_rk, after=after_nd)
             valid_a = (st.lid_rk.reshape(-1) < en) & (st.inv_a < s2.rows) & (st.overflow[0] == 0)
-            y_rkd = y_ad[jnp.minimum(st.inv_a, s2.rows - 1)].reshape(*st.lid_rk.shape, -1)
-            partial_rd = weighted_sum(y_rkd, valid_a.reshape(st.lid_rk.shape), st.w_rk)
+            partial_rd = _partial_sums(y_ad, st.w_rk, st.inv_a, st.order_a, valid_a)
             # stage 1: one partial sum per (token, node) back to the source, in its sorted pair order
             back_qd = stage1.combine(partial_rd, counts1, starts1, node, st.node_q.shape[0],
-                                     st.node_q if self.exchange == "padded" else None, st.inv_p)
-            row_nd = jnp.minimum(st.inv_p.reshape(n, nn), back_qd.shape[0] - 1)
-            parts = jnp.where(st.present_nd[..., None], back_qd[row_nd], 0).astype(jnp.float32)
+                                     st.node_q if self.exchange == "padded" else None, st.lid_rk)
+            # absent pairs read past the end (unique slots): no row, and no gradient scattered to one
+            s1 = back_qd.shape[0]
+            slot_p = jnp.where(st.present_nd.reshape(-1), st.inv_p, s1 + jnp.arange(n * nn, dtype=jnp.int32))
+            parts = take_rows(back_qd, slot_p).reshape(n, nn, -1)
+            parts = jnp.where(st.present_nd[..., None], parts, 0).astype(jnp.float32)
             return jnp.sum(parts, axis=1).astype(back_rd.dtype)
+
+
+@jax.custom_vjp
+def _partial_sums(y_ad: jax.Array, w_rk: jax.Array, inv_a: jax.Array, order_a: jax.Array,
+                  valid_a: jax.Array) -> jax.Array:
+    """[R, D]: each received row's router-weighted sum of its node's expert outputs, in the flat
+    path's order (`weighted_sum`: fp32 products and sum); y_ad [S, D] holds the outputs in stage-2
+    sorted order, assignment a = (row, choice) at sorted row inv_a[a] (valid_a), order_a its inverse.
+
+    Why a custom VJP: the forward reads R K slots (every choice of every received row, most of them
+    on other nodes), and autodiff's transpose scatter-adds R K rows, the invalid ones onto one
+    clamped row; the valid assignments are a bijection onto the S sorted rows, so the backward
+    gathers S rows instead (cotangents of y and of the weights), no scatter of rows at all."""
+    r, k = w_rk.shape
+    y_rkd = y_ad[jnp.minimum(inv_a, y_ad.shape[0] - 1)].reshape(r, k, -1)
+    return weighted_sum(y_rkd, valid_a.reshape(r, k), w_rk)
+
+
+def _partial_sums_fwd(y_ad: jax.Array, w_rk: jax.Array, inv_a: jax.Array, order_a: jax.Array,
+                      valid_a: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    return _partial_sums(y_ad, w_rk, inv_a, order_a, valid_a), (y_ad, w_rk, order_a, valid_a)
+
+
+def _partial_sums_bwd(res: tuple[jax.Array, ...], ct_rd: jax.Array) -> tuple[jax.Array | None, ...]:
+    y_ad, w_rk, order_a, valid_a = res
+    r, k = w_rk.shape
+    ok_a = valid_a[order_a]  # sorted row -> its assignment is a valid one
+    ct_ad = ct_rd[order_a // k].astype(jnp.float32)
+    w_a = jnp.where(ok_a, w_rk.reshape(-1)[order_a], 0.0)
+    d_y = jnp.where(ok_a[:, None], ct_ad * w_a[:, None], 0.0).astype(y_ad.dtype)
+    dw_a = jnp.where(ok_a, jnp.sum(ct_ad * y_ad.astype(jnp.float32), axis=1), 0.0)
+    d_w = jnp.zeros(r * k, jnp.float32).at[order_a].set(dw_a, mode="drop", unique_indices=True)
+    return d_y, d_w.reshape(r, k).astype(w_rk.dtype), None, None, None
+
+
+_partial_sums.defvjp(_partial_sums_fwd, _partial_sums_bwd)
 
 
 def node_aware_routed(mesh: Mesh, expert_per_node: int, bounded_cfg: ModelConfig, exchange: str, matmul: str,
@@ -434,10 +497,10 @@ def node_aware_routed(mesh: Mesh, expert_per_node: int, bounded_cfg: ModelConfig
                       ) -> tuple[jax.Array, dict[str, jax.Array], jax.Array | None]:
     """`ExpertParallel.routed_with_shared` with the two-stage exchange (`bounded_cfg`: the config its
     buffers are sized by, `dispatch.buffer_config`)."""
-    view = node_mesh(mesh, expert_per_node)
-    ep = _NodeShard(bounded_cfg, view.shape[NODE], expert_per_node, routing.seq_len, exchange, matmul)
-    tokens, expert_spec = P(NODE_BATCH_AXES), P((NODE, LOCAL), None, None)
-    smap = functools.partial(jax.shard_map, mesh=view)
+    ep = _NodeShard(bounded_cfg, mesh.shape[AXIS] // expert_per_node, expert_per_node, routing.seq_len,
+                    exchange, matmul)
+    tokens, expert_spec = P(BATCH_AXES), P(AXIS, None, None)
+    smap = functools.partial(jax.shard_map, mesh=mesh)
     w_gld = (experts.w_gate[...], experts.w_up[...], experts.w_down[...])
     back_rd, state, dropped, overflow = smap(
         ep.dispatch_experts, in_specs=(tokens, tokens, tokens, expert_spec, expert_spec, expert_spec),
@@ -459,5 +522,4 @@ def stage_rows(cfg: ModelConfig, tokens: int, expert: int, expert_per_node: int,
             "worst_recv1": b1.worst, "worst_send2": s2.worst, "worst_recv2": b2.worst}
 
 
-__all__ = ["LOCAL", "NODE", "NODE_BATCH_AXES", "expected_nodes_per_token", "node_aware_routed", "node_mesh",
-           "stage_rows"]
+__all__ = ["expected_nodes_per_token", "node_aware_routed", "node_groups", "stage_rows"]
