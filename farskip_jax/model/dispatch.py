@@ -234,8 +234,9 @@ def take_rows(y_sd: jax.Array, slot_r: jax.Array) -> jax.Array:
 
 
 def _take_rows_fwd(y_sd: jax.Array, slot_r: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    # The zero-width slice carries y's row count (a residual must be an array) at no cost.
-    return take_rows(y_sd, slot_r), (slot_r, y_sd[:, :0])
+    # A zero-width array carries y's row count (a residual must be an array) at no cost; made from
+    # the shape, so that a rematerialised backward need not recompute y.
+    return take_rows(y_sd, slot_r), (slot_r, jnp.zeros((y_sd.shape[0], 0), y_sd.dtype))
 
 
 def _take_rows_bwd(res: tuple[jax.Array, jax.Array], ct: jax.Array) -> tuple[jax.Array, None]:

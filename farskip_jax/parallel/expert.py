@@ -295,8 +295,10 @@ def _ragged_move(route: _Route, x: jax.Array, out: jax.Array, plan: _Plan) -> ja
 
 def _ragged_move_fwd(route: _Route, x: jax.Array, out: jax.Array, plan: _Plan
                      ) -> tuple[jax.Array, tuple[_Plan, jax.Array]]:
-    # The zero-size slice carries x's row count (a residual must be an array) at no cost.
-    return _ragged_move(route, x, out, plan), (plan, x[:, :0])
+    # A zero-size array carries x's row count (a residual must be an array) at no cost; made from
+    # the shape, not sliced from x, so that a rematerialised backward need not recompute x (the
+    # node-aware exchange's operands come from another exchange).
+    return _ragged_move(route, x, out, plan), (plan, jnp.zeros((x.shape[0], 0), x.dtype))
 
 
 def _ragged_move_bwd(route: _Route, res: tuple[_Plan, jax.Array], ct: jax.Array

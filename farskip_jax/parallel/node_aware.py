@@ -240,7 +240,6 @@ class _Stage:
                     self.peers, b, -1)
             recv = jax.lax.all_to_all(buf, AXIS, 0, 0, axis_index_groups=self.route.groups).reshape(
                 self.rows, -1)
-        recv = checkpoint_name(recv, A2A_DISPATCH)
         return (recv, None) if side is None else _unpack(recv, side)
 
     def combine(self, back_rw: jax.Array, counts_sd: jax.Array, starts_sd: jax.Array, me: jax.Array,
@@ -262,7 +261,7 @@ class _Stage:
                                      axis_index_groups=self.route.groups)
             row_a = dest_a * b + jnp.arange(rows, dtype=jnp.int32) - starts_sd[me][dest_a]
             moved = buf.reshape(self.rows, -1)[jnp.clip(row_a, 0, self.rows - 1)]
-        return checkpoint_name(moved, A2A_COMBINE)
+        return moved
 
 
 # ------------------------------------------------------------------ the shard bodies ------------
@@ -407,6 +406,10 @@ class _NodeShard:
             side_qm = jnp.concatenate([lid_qk.astype(jnp.float32), weights_nk[token_q].astype(jnp.float32)],
                                       axis=1)
             x_rd, side_rm = stage1.dispatch(x_nd[token_q], side_qm, counts1, starts1, node, key_p)
+            # Tagged for remat (model/transformer.py, "save_a2a"): what the backward pass reads of the
+            # exchanges, so that it reruns none. Stage 1's rows are not kept: only stage 2's operand
+            # reads them, and the backward pass needs neither (the exchanges' VJPs keep only shapes).
+            side_rm = checkpoint_name(side_rm, A2A_DISPATCH)
             got_r = stage1.received(counts1, node)
             lid_rk = jnp.where(got_r[:, None], jnp.round(side_rm[:, :k]).astype(jnp.int32), en)
             w_rk = side_rm[:, k:]
@@ -415,6 +418,7 @@ class _NodeShard:
             counts2_sd = counts2.sum(axis=2)
             recv2, _ = stage2.dispatch(x_rd[srt.order_a[:s2.rows] // k], None, counts2_sd,
                                        self._starts2(counts2), loc, lid_rk)
+            recv2 = checkpoint_name(recv2, A2A_DISPATCH)
         with jax.named_scope("experts"):
             rows2 = stage2.rows
             rg = _regroup(counts2[:, loc], stage2.blocks(counts2_sd)[:, loc], rows2)
@@ -442,6 +446,9 @@ class _NodeShard:
                 dest_a = jnp.minimum(st.lid_rk.reshape(-1)[st.order_a] // el, lr - 1)
             y_ad = stage2.combine(back_rd, counts2.sum(axis=2), self._starts2(counts2), loc, s2.rows, dest_a,
                                   st.lid_rk, after=after_nd)
+            # kept for remat: the partial sums' backward reads it (the stage-1 Combine's result is
+            # read by nothing in the backward pass, so it is not kept)
+            y_ad = checkpoint_name(y_ad, A2A_COMBINE)
             valid_a = (st.lid_rk.reshape(-1) < en) & (st.inv_a < s2.rows) & (st.overflow[0] == 0)
             partial_rd = _partial_sums(y_ad, st.w_rk, st.inv_a, st.order_a, valid_a)
             # stage 1: one partial sum per (token, node) back to the source, in its sorted pair order

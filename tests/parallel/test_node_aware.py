@@ -213,11 +213,11 @@ def _abstract(state, shardings):
 def test_collectives_per_layer():
     """EP=8 as 2 nodes x 4, a 3-layer model (2 MoE layers), padded exchange: the compiled program's
     all-to-alls by group (node: the 2 ranks with one local index; local: a node's 4 ranks) and the
-    counts all_gather over all 8, forward and forward + backward, remat none and save_a2a."""
+    counts all_gather over all 8, forward and forward + backward, remat none, save_a2a and full."""
     mesh = make_mesh(MeshConfig(expert=8))
     par = ExpertParallel(mesh, expert_per_node=4)
     counts = {}
-    for remat in ("none", "save_a2a"):
+    for remat in ("none", "save_a2a", "full"):
         graphdef, state = split(tiny(True, num_layers=3, remat=remat))
         args = (_abstract(state, param_shardings(state, mesh, "ep")),
                 jax.ShapeDtypeStruct((8, 16), jnp.int32, sharding=batch_sharding(mesh)))
@@ -236,11 +236,16 @@ def test_collectives_per_layer():
             counts[remat, name, "counts"] = len(re.findall(
                 r"\n\s*(?:ROOT )?%\S+ = s32\[8,\d+\]\S* all-gather(?:-start)?\(", text))
     print(f"NODE_AWARE_COLLECTIVES {counts}")
-    for remat in ("none", "save_a2a"):
+    for remat in ("none", "save_a2a", "full"):
         # forward, per MoE layer: Dispatch and Combine, one exchange per stage each
         assert counts[remat, "fwd", "node"] == counts[remat, "fwd", "local"] == 2 * 2
         assert counts[remat, "fwd", "all-to-all"] == 2 * 4
-        # backward: the four transposes, and no other collective than the forward's counts
+        assert counts[remat, "fwd", "counts"] == counts[remat, "fwd+bwd", "counts"] == 2
+    for remat in ("none", "save_a2a"):
+        # backward: the four transposes, and no other collective than the forward's counts (save_a2a
+        # keeps what the backward reads: stage 1's weights, stage 2's rows both ways)
         assert counts[remat, "fwd+bwd", "node"] == counts[remat, "fwd+bwd", "local"] == 2 * 4
         assert counts[remat, "fwd+bwd", "all-to-all"] == 2 * 8
-        assert counts[remat, "fwd", "counts"] == counts[remat, "fwd+bwd", "counts"] == 2
+    # full: the forward's exchanges run again before their transposes, but for the stage-1 Combine,
+    # whose result the backward pass does not read
+    assert counts["full", "fwd+bwd", "all-to-all"] == 2 * (4 + 3 + 4)
