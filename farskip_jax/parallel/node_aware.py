@@ -33,16 +33,19 @@ nodes of Lr ranks, El = E / (Nn Lr) experts per rank, En = E / Nn per node:
      experts, to the rank with its own local index there, together with the token's node-local
      expert ids and router weights (bit-packed into the row: one exchange, exact in both
      directions).
-  2. Dispatch, inside the node (peers (d, r) for every r): that intermediate rank sorts the (row, choice)
-     assignments it received by node-local expert and sends each row to the rank owning the
+  2. Dispatch, inside the node (peers (d, r) for every r): that intermediate rank sorts the
+     (row, choice) assignments it received by node-local expert and sends each row to the rank owning the
      expert: the flat exchange, over the node's Lr ranks.
   3. The experts: the flat path's grouped FFN over the received rows (`_regroup`, `_expert_ffn`).
   4. Combine, inside the node: the transposed stage-2 exchange brings each expert output back to
      the intermediate, which forms every received row's router-weighted partial sum over the
-     node's experts (fp32, `weighted_sum`).
+     node's experts (fp32 products and sum, as `weighted_sum`; `_partial_sums`).
   5. Combine, between nodes: the transposed stage-1 exchange sends one partial sum per
-     (token, node) back; the source adds its nodes' partial sums in fp32.
-The sums differ from one device's only in order (by node, then over a node's experts).
+     (token, node) back, in the compute dtype (as the flat path sends expert outputs); the source
+     adds its nodes' partial sums in fp32.
+The sums differ from one device's in order (by node, then over a node's experts) and, in bf16, by
+the rounding of each node's partial sum before it crosses (fp32 tests: equal to 1e-5, as the flat
+path's).
 
 Buffers (optimistic dropless, `moe_buffer_factor`, `dispatch.bounded_buffer`): the stage-1 receive
 buffer (balanced: N q rows, q the expected nodes per token under uniform routing; worst case Nn N,
@@ -57,7 +60,13 @@ transposed plan's exchange, no offset all_to_alls); the padded exchange (XLA:CPU
 all_to_all, whose transpose is one too. The packed ids and weights go through `_pack` /
 `_unpack`, whose VJPs pack the cotangents the same way, so the router weights' gradient (formed
 on the intermediate) travels back bit-exact in the stage-1 Dispatch's transpose. No collective
-is added to the backward pass beyond the four transposed exchanges.
+is added to the backward pass beyond the four transposed exchanges; with `remat="save_a2a"` the
+backward pass keeps what it reads of the exchanges (the counts, stage 1's ids and weights, stage 2's
+rows both ways) and reruns none of them.
+
+Cost model: each ragged stage declares the rows it moves per device under balanced, uniform
+routing (N q for stage 1, N K for stage 2; `expert._Route.balanced_rows`), since neither of its
+buffers is exact; the inspector charges those under `--moe-load balanced` (xla/costs.py).
 
 Schedule contract (as the flat path's): two shard_maps, the shared experts between them; the
 Combine's first exchange (the in-node one) starts only once the shared experts' output exists
