@@ -11,6 +11,8 @@ from pathlib import Path
 
 from farskip_jax.errors import UserError, cli_main
 
+DEFAULT_WORKERS = 2  # farskip_jax.checkpoint.convert.DEFAULT_WORKERS; imported late there (jax)
+
 EPILOG = """\
 examples:
   # HF -> Orbax, bf16, layout hint for 8-way expert parallelism, FarSkip on layers 1..26
@@ -72,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "settings changed; the result is bitwise that of an uninterrupted run. Without "
                         "it, an interrupted conversion's temp dir is removed and everything is written "
                         "again")
+    p.add_argument("--workers", type=int, default=DEFAULT_WORKERS, metavar="N",
+                   help="threads reading ahead (and with --to-hf: restoring and writing tensors) at once, "
+                        f"default {DEFAULT_WORKERS}; host memory grows by about one largest group per "
+                        "worker (docs/checkpoints-and-families.md), the output does not change")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -90,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                         "--to-hf, a converted or training checkpoint directory)")
     overrides = farskip_overrides(args.farskip, args.farskip_range)
     common = dict(dtype=args.dtype, overrides=overrides, dry_run=args.dry_run, overwrite=args.overwrite,
-                  progress=not args.no_progress)
+                  progress=not args.no_progress, workers=args.workers)
     if args.to_hf:
         if args.mesh or args.compress:
             raise UserError("--mesh and --compress apply to HF -> Orbax only; drop them with --to-hf")

@@ -38,7 +38,7 @@ GROUPED_GEMM_FLAG = "xla_gpu_experimental_use_ragged_dot_grouped_gemm"
 GiB = 2**30
 
 
-def fcfs_routed(x_nd, routing, experts, cfg):
+def fcfs_routed(x_nd, routing, experts, cfg, exe):
     """The deleted path, for reference: first-come-first-served slots from a one-hot cumsum."""
     import jax
     import jax.numpy as jnp
@@ -57,14 +57,13 @@ def fcfs_routed(x_nd, routing, experts, cfg):
 
 
 def cpu_rows(args: argparse.Namespace) -> list[dict]:
-    import dataclasses
 
     import jax
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
-    from farskip_jax.config import ModelConfig
+    from farskip_jax.config import ExecutionConfig, ModelConfig
     from farskip_jax.model.moe import MoE, local_routed
 
     base = ModelConfig(hidden_size=args.d, moe_intermediate_size=args.f, n_routed_experts=args.experts,
@@ -77,8 +76,8 @@ def cpu_rows(args: argparse.Namespace) -> list[dict]:
     for name, cf, routed_fn in variants:
         if wanted and name.split()[0] not in wanted:
             continue
-        cfg = dataclasses.replace(base, capacity_factor=cf, expert_matmul="padded" if "old" in name else name)
-        graphdef, state = nnx.split(MoE(cfg, nnx.Rngs(0)))
+        exe = ExecutionConfig(capacity_factor=cf, expert_matmul="padded" if "old" in name else name)
+        graphdef, state = nnx.split(MoE(base, nnx.Rngs(0), exe=exe))
 
         def loss(s, x, graphdef=graphdef, routed_fn=routed_fn):
             shared, routed, _ = nnx.merge(graphdef, s)(x, routed_fn)
@@ -109,7 +108,7 @@ def device_worker(target: str, matmul: str, grouped_gemm: bool, tokens: int) -> 
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from farskip_jax.config import ModelConfig
+    from farskip_jax.config import ExecutionConfig, ModelConfig
     from farskip_jax.inspect import hlo
     from farskip_jax.model.moe import MoE
     from farskip_jax.parallel import ExpertParallel, resolve_exchange
@@ -118,8 +117,9 @@ def device_worker(target: str, matmul: str, grouped_gemm: bool, tokens: int) -> 
     from farskip_jax.xla import flags as xla_flags
 
     mesh = aot.make_target_mesh(target, {"data": 1, "expert": 8, "tensor": 1})
-    cfg = ModelConfig(dtype="bfloat16", param_dtype="bfloat16", expert_matmul=matmul)  # DSV2-Lite widths
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: MoE(cfg, nnx.Rngs(0))))
+    cfg = ModelConfig(dtype="bfloat16", param_dtype="bfloat16")  # DSV2-Lite widths
+    exe = ExecutionConfig(expert_matmul=matmul)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: MoE(cfg, nnx.Rngs(0), exe=exe)))
 
     def abstract(path, leaf):
         spec = P("expert") if "experts" in jax.tree_util.keystr(path) else P()
@@ -154,7 +154,7 @@ def device_worker(target: str, matmul: str, grouped_gemm: bool, tokens: int) -> 
     entry = mod.computations[mod.entry]
     flops = sum(costs.instr_flops(mod, entry, ins) for ins in entry.instrs)
     a2a = [c for c in analysis.collectives if "all-to-all" in c.kind]
-    return {"target": target, "matmul": matmul, "exchange": resolve_exchange(cfg.ep_exchange, mesh),
+    return {"target": target, "matmul": matmul, "exchange": resolve_exchange(exe.ep_exchange, mesh),
             "grouped_gemm_flag": grouped_gemm, "compile_s": seconds, "dot_tflops": flops / 1e12,
             "est_compute_ms": analysis.totals["est_compute_us"] / 1e3,
             "a2a_GiB": sum(c.bytes for c in a2a) / GiB, "a2a_kinds": sorted({c.kind for c in a2a}),

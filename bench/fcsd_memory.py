@@ -59,7 +59,7 @@ def _one(args: argparse.Namespace) -> dict[str, Any]:
     from farskip_jax.config import load_config, parse_overrides
     from farskip_jax.train.program import abstract_train_step
 
-    overrides = [f"model.remat={args.remat}", *args.set]
+    overrides = [f"execution.remat={args.remat}", *args.set]
     if args.layers:
         overrides.append(f"model.num_layers={args.layers}")
     cfg = load_config(args.config, parse_overrides(overrides))

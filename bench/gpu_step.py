@@ -21,7 +21,7 @@ from flax import nnx
 
 from farskip_jax.config import load_config, parse_overrides
 from farskip_jax.inspect import hlo
-from farskip_jax.inspect.steps import model_for
+from farskip_jax.inspect.steps import config_for
 from farskip_jax.model.transformer import Transformer
 from farskip_jax.train.optim import lr_schedule, make_optimizer
 from farskip_jax.train.program import BATCH_FIELDS
@@ -40,14 +40,19 @@ def main() -> None:
     p.add_argument("--out", default=None, help="write results as JSON here")
     args = p.parse_args()
     # --batch sequences on one GPU: split only when asked (configs/dsv2lite.yaml splits 4 in two)
-    cfg = load_config(args.config, parse_overrides(["model.batch_split=1", *args.overrides]))
+    cfg = load_config(args.config, parse_overrides(["execution.batch_split=1", *args.overrides]))
     tc = dataclasses.replace(cfg.train, mode="lm")
     results = []
     print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}")
     for mode in args.modes.split(","):
-        mcfg = model_for(cfg.model, mode)
-        graphdef, _ = nnx.split(nnx.eval_shape(lambda mcfg=mcfg: Transformer(mcfg, nnx.Rngs(0))), nnx.Param)
-        params = jax.jit(lambda mcfg=mcfg: nnx.split(Transformer(mcfg, nnx.Rngs(0)), nnx.Param)[1])()
+        run = config_for(cfg, mode)
+        mcfg, exe = run.model, run.execution
+
+        def model(mcfg=mcfg, exe=exe):
+            return Transformer(mcfg, nnx.Rngs(0), exe)
+
+        graphdef, _ = nnx.split(nnx.eval_shape(model), nnx.Param)
+        params = jax.jit(lambda model=model: nnx.split(model(), nnx.Param)[1])()
         tx = make_optimizer(tc, params)
         state = {"params": params, "opt_state": jax.jit(tx.init)(params), "step": jnp.zeros((), jnp.int32),
                  "skipped": jnp.zeros((), jnp.int32)}

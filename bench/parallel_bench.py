@@ -37,7 +37,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from farskip_jax.config import MeshConfig, ModelConfig, TrainConfig, load_config  # noqa: E402
+from farskip_jax.config import ExecutionConfig, MeshConfig, ModelConfig, TrainConfig, load_config  # noqa: E402
 from farskip_jax.model.transformer import Transformer, build_model, with_farskip  # noqa: E402
 from farskip_jax.parallel import ExpertParallel, batch_sharding, make_mesh, param_shardings, place  # noqa: E402
 from farskip_jax.train.optim import make_optimizer  # noqa: E402
@@ -45,13 +45,15 @@ from farskip_jax.train.optim import make_optimizer  # noqa: E402
 # DeepSeek-V2-Lite reduced for a CPU: 3 layers (1 dense + 2 MoE instead of 1 + 26), vocabulary
 # 8192 (instead of 102400), fp32 compute; batch 8 x 128 tokens per step (1 sequence per device).
 DSV2LITE_REDUCED = {"model.num_layers": 3, "model.vocab_size": 8192, "model.dtype": "float32",
-                    "model.remat": "none"}
+                    "execution.remat": "none"}
 SHAPES = {"tiny": (8, 32), "dsv2lite": (8, 128)}
 
 
-def model_cfg(name: str) -> ModelConfig:
+def model_cfg(name: str) -> tuple[ModelConfig, ExecutionConfig]:
+    """(the config's model with FarSkip on, how the config runs it)."""
     overrides = DSV2LITE_REDUCED if name == "dsv2lite" else {}
-    return with_farskip(load_config(name, overrides).model, enabled=True)
+    cfg = load_config(name, overrides)
+    return with_farskip(cfg.model, enabled=True), cfg.execution
 
 
 def _gib(n: float) -> str:
@@ -87,10 +89,10 @@ def timed(fn: Any, *args: Any, reps: int = 3) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def step_times(cfg: ModelConfig, batch: int, seq: int) -> tuple[float, float]:
+def step_times(cfg: ModelConfig, exe: ExecutionConfig, batch: int, seq: int) -> tuple[float, float]:
     """Forward time on one device and under EP=8 (same parameters, same tokens)."""
     mesh = make_mesh(MeshConfig(expert=8))
-    graphdef, state = nnx.split(build_model(cfg), nnx.Param)
+    graphdef, state = nnx.split(build_model(cfg, exe=exe), nnx.Param)
     ids = jax.random.randint(jax.random.key(0), (batch, seq), 0, cfg.vocab_size)
     single = jax.jit(lambda s, i: nnx.merge(graphdef, s)(i).logits)
     t_single = timed(single, state, ids)
@@ -112,9 +114,10 @@ def train_fn(graphdef: nnx.GraphDef, mesh: Any, layer_loop: str) -> Any:
     return jax.jit(jax.value_and_grad(loss))
 
 
-def compile_seconds(cfg: ModelConfig, mesh: Any, batch: int, seq: int, layer_loop: str) -> float:
+def compile_seconds(cfg: ModelConfig, exe: ExecutionConfig, mesh: Any, batch: int, seq: int,
+                    layer_loop: str) -> float:
     """Lower + compile time of the EP forward+backward on abstract, sharded arguments."""
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))), nnx.Param)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0), exe)), nnx.Param)
     sh = param_shardings(params, mesh, "ep")
     args = (jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, sh),
             jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=batch_sharding(mesh)))
@@ -154,11 +157,11 @@ def main() -> None:
             print(f"(no deviceless H200 compile: {e})")
     rows = []
     for name in args.models.split(","):
-        cfg = model_cfg(name)
+        cfg, exe = model_cfg(name)
         batch, seq = SHAPES[name]
-        t_single, t_ep = step_times(cfg, batch, seq)
-        c = {loop: compile_seconds(cfg, cpu_mesh, batch, seq, loop) for loop in ("unrolled", "scan")}
-        h = ({loop: compile_seconds(cfg, h200_mesh, batch, seq, loop) for loop in ("unrolled", "scan")}
+        t_single, t_ep = step_times(cfg, exe, batch, seq)
+        c = {loop: compile_seconds(cfg, exe, cpu_mesh, batch, seq, loop) for loop in ("unrolled", "scan")}
+        h = ({loop: compile_seconds(cfg, exe, h200_mesh, batch, seq, loop) for loop in ("unrolled", "scan")}
              if h200_mesh is not None else {})
         mem = memory_row(cfg, cpu_mesh)
         rows.append((f"{name} ({cfg.num_layers}L, {batch}x{seq} tok)", t_single, t_ep, c, h, mem))

@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from farskip_jax.xla import aot, pgle
 
     # one sequence per device: no batch split (configs/dsv2lite.yaml splits 4 sequences in two)
-    overrides = ["model.batch_split=1"] + ([f"model.num_layers={args.layers}"] if args.layers else [])
+    overrides = ["execution.batch_split=1"] + ([f"model.num_layers={args.layers}"] if args.layers else [])
     cfg = load_config(args.config, parse_overrides(overrides + args.overrides))
     build = steps.build_train_step(cfg, seqs_per_device=1, seq_len=args.seq_len)
     mesh = aot.make_target_mesh(args.target, {"data": 1, "expert": 8, "tensor": 1})

@@ -27,13 +27,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-# variant -> (model overrides, modes to compile). Regular connectivity is compiled where an option
+# variant -> (config overrides, modes to compile). Regular connectivity is compiled where an option
 # changes its program; the barriers and stale_blocks touch FarSkip layers only.
 VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
-    "unordered": ({"model.tp_order_barriers": False}, ("farskip", "regular")),
+    "unordered": ({"execution.tp_order_barriers": False}, ("farskip", "regular")),
     "ordered": ({}, ("farskip",)),
-    "microbatches2": ({"model.tp_microbatches": 2}, ("farskip", "regular")),
-    "reduce_scatter": ({"model.tp_reduce": "reduce_scatter"}, ("farskip", "regular")),
+    "microbatches2": ({"execution.tp_microbatches": 2}, ("farskip", "regular")),
+    "reduce_scatter": ({"execution.tp_reduce": "reduce_scatter"}, ("farskip", "regular")),
     "stale2": ({"model.farskip.stale_blocks": 2}, ("farskip",)),
 }
 BASELINE = ("unordered", "regular")  # the serving baseline: regular connectivity, plain psums
@@ -53,13 +53,14 @@ def ttft_step(cfg: Any, batch: int, seq_len: int) -> Callable[[Any, str], tuple[
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from farskip_jax.inspect.steps import model_for
+    from farskip_jax.inspect.steps import config_for
     from farskip_jax.model.transformer import Transformer
     from farskip_jax.parallel import param_specs_tree, tp_forward
 
     def build(mesh: Any, mode: str):
-        mcfg = model_for(cfg.model, mode)
-        graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(mcfg, nnx.Rngs(0))), nnx.Param)
+        run = config_for(cfg, mode)
+        model = nnx.eval_shape(lambda: Transformer(run.model, nnx.Rngs(0), run.execution))
+        graphdef, params = nnx.split(model, nnx.Param)
         shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs_tree(params, "tp"),
                                  is_leaf=lambda x: isinstance(x, P))
         abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
@@ -111,7 +112,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         build = (ttft_step(cfg, args.batch, args.seq_len) if args.program == "ttft"
                  else steps.build_prefill_step(cfg, args.batch, args.seq_len))
         mesh = {"data": 1, "expert": 1, "tensor": args.tp}
-        fill = (balanced_grouped_fill(cfg.model, mesh, False, args.batch * args.seq_len, args.seq_len)
+        fill = (balanced_grouped_fill(cfg.model, cfg.execution, mesh, False, args.batch * args.seq_len,
+                                      args.seq_len)
                 if args.moe_load == "balanced" else 1.0)
         ns = argparse.Namespace(target=args.target, mesh=mesh, modes=",".join(modes), out=out / name,
                                 lhs_dump=False, compiler_option=list(COMBINERS_OFF), no_default_options=False,

@@ -1,5 +1,5 @@
 """How many rows does a rank's routed-expert buffer need? Routing statistics of DeepSeek-V2-Lite-shaped
-routers (64 experts, top-6, hidden 2048), to choose `model.moe_buffer_factor`.
+routers (64 experts, top-6, hidden 2048), to choose `execution.moe_buffer_factor`.
 
 A rank's bounded buffer holds `moe_buffer_factor` x the rows balanced routing gives it (EP: N*K of
 its N tokens' assignments arrive from the 8 sources; TP: N*K / ranks); a step whose busiest rank

@@ -18,7 +18,7 @@ Layer counts (the smallest representative ones; no dense layers, which sparsity 
   512 experts the fp32 weights and AdamW moments alone exceed an H200 at EP=8 (a probe compile
   peaked at 303 GiB and XLA left every collective synchronous); two layers still peak at ~155 GiB
   there (141 GiB HBM), which the results note.
-Both use a balanced expert capacity (`model.capacity_factor=1.0`, padded per-expert GEMM): each
+Both use a balanced expert capacity (`execution.capacity_factor=1.0`, padded per-expert GEMM): each
 expert computes ceil(T * k / E) rows, i.e. fixed active FLOPs; the dropless padded buffer would
 compute every worst-case row, a cost that grows with E and is an artefact of the padding.
 
@@ -55,7 +55,7 @@ TOTAL_EXPERTS = 256  # the --axis total grid: DeepSeek-V3's 256 experts, top-k =
 # /work/shared/seeds quotes it: "~1.5x for DeepSeek-V3 (~32x sparse), ~1.65x at 64x". The formula
 # and its other points are not in our sources, so only these two anchors are plotted.
 PAPER_ANALYTICAL = {32: 1.5, 64: 1.65}
-COMMON = ["model.first_k_dense_replace=0", "model.capacity_factor=1.0", "model.expert_matmul=padded"]
+COMMON = ["model.first_k_dense_replace=0", "execution.capacity_factor=1.0", "execution.expert_matmul=padded"]
 MODES: dict[str, dict[str, Any]] = {
     "prefill": {"layers": 4, "inspect_mode": "prefill", "sets": ["model.param_dtype=bfloat16"],
                 "args": ["--seq-len", "2048"], "comm": ("all-reduce",)},

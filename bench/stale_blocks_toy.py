@@ -31,9 +31,9 @@ def run_seed(seed: int, out: Path, teacher_steps: int, fcsd_steps: int) -> dict[
     pipeline.check_vocab(cfg, paths)
     test = next(iter(paths["tests"].values()))
     teacher = pipeline.run_stage("teacher (regular, lm)", pipeline.teacher_config(cfg, paths, out, seed))
-    regular = pipeline.with_farskip(teacher.cfg.model, **pipeline.FARSKIP_OFF)
+    regular, exe = pipeline.with_farskip(teacher.cfg.model, **pipeline.FARSKIP_OFF), teacher.cfg.execution
     res: dict[str, Any] = {"seed": seed, "teacher_steps": teacher_steps, "fcsd_steps": fcsd_steps,
-                           "teacher": pipeline.accuracy(regular, teacher.params, test)}
+                           "teacher": pipeline.accuracy(regular, teacher.params, test, exe)}
     for stale in (1, 2):
         model = pipeline.converted(regular, stale_blocks=stale)
         student = pipeline.run_stage(
@@ -41,8 +41,8 @@ def run_seed(seed: int, out: Path, teacher_steps: int, fcsd_steps: int) -> dict[
             pipeline.student_config(cfg, paths, out, Path(teacher.cfg.train.output_dir), f"fcsd_stale{stale}",
                                     seed, {"model.farskip.stale_blocks": stale}))
         kl = [m["kl"] for m in student.metrics if "kl" in m]
-        res[f"stale{stale}"] = {"converted": pipeline.accuracy(model, teacher.params, test),
-                                "fcsd": pipeline.accuracy(model, student.params, test),
+        res[f"stale{stale}"] = {"converted": pipeline.accuracy(model, teacher.params, test, exe),
+                                "fcsd": pipeline.accuracy(model, student.params, test, exe),
                                 "final_kl": kl[-1] if kl else None, "wall_s": student.wall_s}
     return res
 

@@ -28,7 +28,7 @@ model part (the `jax.named_scope`s of the model: attention, router, routed exper
 forward vs backward, next to the FLOPs XLA's cost analysis counts for the same parts.
 
     .venv/bin/python bench/torch_vs_jax_step.py [--batch 1] [--seq 256] [--steps 5] [--warmup 2] [--profile]
-    ... --variant expert_matmul=ragged     one more row for ours with that ModelConfig override
+    ... --variant expert_matmul=ragged     one more row for ours with that ExecutionConfig override
     ... --only ours --set expert_matmul=padded --profile     ours alone, overridden
     ... --config tiny --vocab 128 --seq 32 --steps 1 --warmup 1     a smoke run (seconds)
 
@@ -70,7 +70,7 @@ from farskip_jax import (
     from_pretrained,  # noqa: E402
     hf_config,
 )
-from farskip_jax.config import ModelConfig, TrainConfig, load_config  # noqa: E402
+from farskip_jax.config import ExecutionConfig, ModelConfig, TrainConfig, load_config, override  # noqa: E402
 from farskip_jax.train.optim import lr_schedule, make_optimizer  # noqa: E402
 from farskip_jax.train.step import LossSpec, make_train_step  # noqa: E402
 
@@ -97,10 +97,10 @@ class Result:
 
 
 def model_config(name: str, vocab: int, layers: int) -> ModelConfig:
-    """configs/<name>.yaml (dsv2lite) with fewer layers and vocabulary, fp32, no remat, regular."""
+    """configs/<name>.yaml (dsv2lite) with fewer layers and vocabulary, fp32, regular (ours runs it
+    with `ExecutionConfig()`'s defaults, no remat, plus --set / --variant)."""
     cfg = load_config(name, {"model.num_layers": layers, "model.vocab_size": vocab,
-                             "model.dtype": "float32", "model.param_dtype": "float32",
-                             "model.remat": "none"}).model
+                             "model.dtype": "float32", "model.param_dtype": "float32"}).model
     return dataclasses.replace(cfg, farskip=dataclasses.replace(cfg.farskip, enabled=False))
 
 
@@ -188,17 +188,18 @@ def run_torch(model: DeepseekV2ForCausalLM, tc: TrainConfig, ids: np.ndarray, wa
 
 
 def jax_state_and_step(ckpt_dir: Path, tc: TrainConfig,
-                       overrides: dict[str, Any]) -> tuple[Any, Any, ModelConfig]:
-    """Our model from the torch weights, the trainer's optimizer state and its jitted step."""
-    model = from_pretrained(ckpt_dir, **overrides)
-    cfg = model.cfg
+                       overrides: dict[str, Any]) -> tuple[Any, Any, ModelConfig, ExecutionConfig]:
+    """Our model from the torch weights, run as the ExecutionConfig `overrides` say, the trainer's
+    optimizer state and its jitted step."""
+    model = from_pretrained(ckpt_dir, exe=override(ExecutionConfig(), overrides, "execution"))
+    cfg, exe = model.cfg, model.exe
     graphdef, params = nnx.split(model, nnx.Param)
     del model
     tx = make_optimizer(tc, params)
     state = {"params": params, "opt_state": jax.jit(tx.init)(params), "step": jnp.zeros((), jnp.int32),
              "skipped": jnp.zeros((), jnp.int32)}
     step = make_train_step(LossSpec.from_train(tc, cached_teacher=False), graphdef, None, tx, lr_schedule(tc))
-    return state, step, cfg
+    return state, step, cfg, exe
 
 
 def jax_batch(ids: np.ndarray) -> dict[str, jax.Array]:
@@ -397,7 +398,7 @@ def print_profile(times: dict[tuple[str, str], float], flops: dict[tuple[str, st
 
 
 def parse_sets(items: list[str]) -> dict[str, Any]:
-    """['expert_matmul=padded', 'capacity_factor=1.25'] -> typed dotted ModelConfig overrides."""
+    """['expert_matmul=padded', 'capacity_factor=1.25'] -> typed dotted ExecutionConfig overrides."""
     return {k.strip(): yaml.safe_load(v) for k, _, v in (o.partition("=") for o in items)}
 
 
@@ -421,7 +422,7 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="per-part time and FLOPs of our step")
     p.add_argument("--top", type=int, default=15, help="with --profile: list this many costliest HLO ops")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="a dotted ModelConfig override for ours only, e.g. expert_matmul=padded")
+                   help="an ExecutionConfig override for ours only, e.g. expert_matmul=padded")
     p.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                    help="one more row for ours with these overrides, e.g. expert_matmul=padded")
     p.add_argument("--only", choices=("torch", "ours"), default=None, help="run one side only")
@@ -460,9 +461,9 @@ def main() -> None:
         # Ours as configured (--set), then one row per --variant, one after the other (memory).
         variants = [overrides] + [{**overrides, **parse_sets(v.split(","))} for v in args.variant]
         for i, ov in enumerate(variants if args.only != "torch" else []):
-            state, step_fn, jcfg = jax_state_and_step(tmp / "ckpt", tc, ov)
-            knobs = (f"attention={jcfg.attention}, expert_matmul={jcfg.expert_matmul}, "
-                     f"capacity_factor={jcfg.capacity_factor}")
+            state, step_fn, jcfg, jexe = jax_state_and_step(tmp / "ckpt", tc, ov)
+            knobs = (f"attention={jexe.attention}, expert_matmul={jexe.expert_matmul}, "
+                     f"capacity_factor={jexe.capacity_factor}")
             print(f"ours: {knobs} (capacity 0 = dropless)", flush=True)
             jax_res, compiled, one_step = run_jax(state, step_fn, ids, args.warmup, args.steps)
             results.append((f"ours (jax.jit trainer step, optax AdamW; {knobs})", jax_res))

@@ -106,11 +106,11 @@ def train_teacher(cfg: Config, work: Path, log: Callable[[str], None]) -> dict[s
             f"{res['converted']}")
         return {**res, **held_out}
     teacher = dp.run_stage("teacher (regular, lm)", dp.teacher_config(cfg, paths, work, TEACHER_SEED), log)
-    regular = dp.with_farskip(teacher.cfg.model, **dp.FARSKIP_OFF)
+    regular, exe = dp.with_farskip(teacher.cfg.model, **dp.FARSKIP_OFF), teacher.cfg.execution
     res = {"dir": teacher.cfg.train.output_dir,
-           "teacher": {op: dp.accuracy(regular, teacher.params, t)["exact_match"]
+           "teacher": {op: dp.accuracy(regular, teacher.params, t, exe)["exact_match"]
                        for op, t in paths["tests"].items()},
-           "converted": {op: dp.accuracy(dp.converted(regular), teacher.params, t)["exact_match"]
+           "converted": {op: dp.accuracy(dp.converted(regular), teacher.params, t, exe)["exact_match"]
                          for op, t in paths["tests"].items()},
            "wall_s": teacher.wall_s}
     log(f"teacher: {res['teacher']}, converted untrained: {res['converted']}")
@@ -141,7 +141,7 @@ def run_arms(cfg: Config, work: Path, out: Path, seeds: Sequence[int], budgets: 
             st = dp.run_stage(f"seed {seed}: {name}", scfg, log)
             fs = {k.removeprefix("model.farskip."): v for k, v in extra.items()
                   if k.startswith("model.farskip.")}
-            acc = {op: dp.accuracy(dp.converted(regular, **fs), st.params, t)["exact_match"]
+            acc = {op: dp.accuracy(dp.converted(regular, **fs), st.params, t, cfg.execution)["exact_match"]
                    for op, t in tests.items()}
             log(f"seed {seed}, {steps} steps, {name}: rev {acc['rev']:.3f}, cpy {acc['cpy']:.3f} "
                 f"({st.wall_s:.0f} s)")

@@ -33,6 +33,7 @@ from farskip_jax.cli_logits import (
     parse_mesh,
     provide_host_devices,
 )
+from farskip_jax.config import ExecutionConfig
 from farskip_jax.errors import cli_main, jsonl_values
 from farskip_jax.xla.flags import apply_default_xla_flags, detect_local_target
 
@@ -241,7 +242,7 @@ def run(args: argparse.Namespace) -> np.ndarray:
         raise CliError(f"--temperature/--top-p: {e}") from None
     overrides = farskip_overrides(args)
     # Generation is dropless as HF's model is: a training capacity would let padding displace tokens.
-    overrides["capacity_factor"] = 0.0
+    exe = ExecutionConfig().dropless()
     if args.dtype != "float32":
         overrides.update({"param_dtype": args.dtype, "dtype": args.dtype})
     cfg = checkpoint_config(ckpt, overrides)
@@ -269,7 +270,7 @@ def run(args: argparse.Namespace) -> np.ndarray:
     from farskip_jax.checkpoint.hf_load import from_pretrained
     from farskip_jax.generation import Generator
 
-    model = from_pretrained(ckpt, **overrides)
+    model = from_pretrained(ckpt, exe=exe, **overrides)
     jmesh = None
     if mesh is not None:
         from farskip_jax.parallel import make_mesh

@@ -265,7 +265,7 @@ def check_vocab(ids: np.ndarray, vocab_size: int, path: str | Path) -> np.ndarra
 def pad_rows(ids: np.ndarray, multiple: int) -> np.ndarray:
     """Appends token-0 rows until the batch divides by `multiple`. Rows are independent, so the
     real rows' logits do not change: attention stays inside a row, and routing is dropless or,
-    with a capacity factor, limited per sequence (ModelConfig.capacity_factor)."""
+    with a capacity factor, limited per sequence (ExecutionConfig.capacity_factor)."""
     pad = -ids.shape[0] % multiple
     return np.concatenate([ids, np.zeros((pad, ids.shape[1]), ids.dtype)]) if pad else ids
 

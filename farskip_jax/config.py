@@ -1,31 +1,38 @@
 """Declarative configuration: frozen dataclasses, YAML files, dotted CLI overrides (HF config.json
 conversion: `hf_config.py`, which imports this module).
 
+A run's `Config` holds what to compute (`model`: `ModelConfig`, the architecture and its FarSkip
+connectivity) apart from how to run it (`execution`: `ExecutionConfig`, farskip_jax/execution.py,
+which states the rule for which is which), plus the mesh, training and free-form sections.
+
 Every field is validated when a config is built. An unknown key or a bad value raises
 `ConfigError` naming the dotted key and what is allowed, so a typo in a YAML file or in
-`--set model.num_layers=4` fails loudly instead of being ignored.
+`--set model.num_layers=4` fails loudly instead of being ignored. The dict <-> dataclass machinery
+is `config_io.py`; this module re-exports it, `ConfigError` and `ExecutionConfig`, so
+`farskip_jax.config` stays the one place to import config things from.
 
-Why one module of ~750 lines: most of it is the fields' comments (what each does, why its
-default, where it was measured), kept beside the field they explain; the loader (YAML, `base:`
-inheritance, overrides, type coercion) is the last ~190 lines.
+Most of this module is the fields' comments (what each does, why its default, where it was
+measured), kept beside the field they explain.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
 import types
-import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 
+from farskip_jax.config_io import apply_overrides, from_dict, override, parse_overrides, to_dict
+from farskip_jax.errors import ConfigError
+from farskip_jax.execution import ExecutionConfig
 
-class ConfigError(ValueError):
-    """A configuration key or value is invalid; the message names the key."""
+__all__ = ["CONFIG_DIR", "Config", "ConfigError", "ExecutionConfig", "FarSkipConfig", "GenEvalConfig",
+           "MeshConfig", "ModelConfig", "RopeScaling", "TrainConfig", "apply_overrides", "from_dict",
+           "load_config", "migrate_stored_config", "override", "parse_overrides", "resolve_config_path",
+           "to_dict"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -93,6 +100,14 @@ class ModelConfig:
     normalisation, attention gate, Llama-4's attention variants) default to DeepSeek-V2. Widths:
     `intermediate_size` is the dense layers' MLP (Llama-4's `intermediate_size_mlp`),
     `moe_intermediate_size` each routed and shared expert's (Llama-4's `intermediate_size`)."""
+
+    # How to run the model (kernels, exchange, remat, splits, buffers, schedule hints, the student's
+    # capacity drop) was in this class until it became `ExecutionConfig` (farskip_jax/execution.py):
+    # `model.<key>` of one of those is refused with its new key.
+    MOVED_KEYS: ClassVar[Mapping[str, str]] = types.MappingProxyType({k: f"execution.{k}" for k in (
+        "capacity_factor", "moe_buffer_factor", "expert_matmul", "ep_exchange", "attention",
+        "attention_block_q", "attention_block_kv", "remat", "layer_loop", "tp_microbatches", "tp_reduce",
+        "tp_order_barriers", "batch_split", "batch_split_stagger")})
 
     vocab_size: int = 102400
     hidden_size: int = 2048
@@ -182,68 +197,8 @@ class ModelConfig:
     seq_aux: bool = True
     device_aux_loss_alpha: float = 0.0
     aux_device_groups: int = 1
-    # <= 0: dropless (the default; the FCSD teacher and inference are always dropless). > 0: an
-    # optional student capacity of ceil(capacity_factor * seq_len * top_k / experts) assignments per
-    # expert per sequence; the lowest-router-weight assignments are dropped first, so one device and
-    # any expert-parallel mesh drop the same ones.
-    capacity_factor: float = 0.0
-    # Optimistic dropless: under expert or tensor parallelism each rank's routed-expert buffers hold
-    # this many times the rows balanced routing gives it (rounded up to 8 rows, at most the worst
-    # case: every token's assignments on one rank). A forward whose busiest rank needs more reports
-    # `moe_overflow`, and every entry point (trainer, eval, teacher cache, generation, logits) re-runs
-    # it with the worst-case program, so results stay exactly dropless. 0 = always the worst case.
-    # 2.0 from bench/routing_stats.py (DSV2-Lite-shaped routers at EP8: no step over 2x until the
-    # busiest expert carries ~4x its share; BENCHMARKS.md K).
-    moe_buffer_factor: float = 2.0
-    # Grouped expert GEMM over the expert-sorted tokens: jax.lax.ragged_dot (hipBLASLt's grouped
-    # GEMM on ROCm, a dense masked dot on CUDA), tokamax's ragged_dot kernel (Pallas Mosaic GPU,
-    # Hopper; real rows only, forward and both gradients), a padded per-expert buffer with a batched
-    # einsum, blocks of real rows in a loop (model/grouped_matmul.py), or auto = ragged on ROCm,
-    # tokamax on CUDA, blocked on CPU (model/dispatch.py:resolve_matmul).
-    expert_matmul: Literal["auto", "ragged", "tokamax", "padded", "blocked"] = "auto"
-    # Expert-parallel token exchange: ragged_all_to_all (GPU), per-destination buffers with a plain
-    # all_to_all (works everywhere, XLA:CPU included), or auto = ragged on GPU meshes, padded elsewhere.
-    ep_exchange: Literal["auto", "ragged", "padded"] = "auto"
-    # Attention core: blockwise (flash-style online softmax in XLA ops, O(T) memory; the CPU path),
-    # the [T, T] reference, or tokamax's fused flash kernel (Mosaic GPU on Hopper, Pallas-Triton on
-    # MI300X; bf16/fp16, masked by per-query document starts: model/attention_kernels.py). auto = the
-    # fused kernel where it was compiled and checked for the target device and dtype, blockwise
-    # elsewhere (model/attention.py:resolve_attention). cudnn is refused: jax.nn's cuDNN path rejects
-    # MLA's head dims (192 / 128) and takes no segment ids.
-    attention: Literal["auto", "blockwise", "reference", "tokamax", "cudnn"] = "auto"
-    attention_block_q: int = 512
-    attention_block_kv: int = 512
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     dtype: Literal["float32", "bfloat16"] = "float32"
-    # save_a2a: recompute each layer in the backward pass except the expert-parallel all-to-all
-    # outputs, so Dispatch and Combine are not run again.
-    remat: Literal["none", "full", "save_dots", "save_a2a"] = "none"
-    # Unrolled layers (default) leave XLA free to overlap layer k's Combine with layer k+1's
-    # attention; "scan" runs equal consecutive layers in one lax.scan (a measurement option: it
-    # stacks their weights every step, see model/transformer.py:_scan_layers).
-    layer_loop: Literal["unrolled", "scan"] = "unrolled"
-    # Tensor-parallel inference only (ignored by the expert-parallel trainer). tp_microbatches > 1
-    # splits each sequence's tokens into that many equal chunks whose FFNs and psums run separately
-    # (attention, the only op that mixes tokens, still runs once over all of them), so one chunk's
-    # psums can hide under another chunk's compute; lossless (dropless routing required: capacity is
-    # per sequence). tp_reduce "reduce_scatter": each psum becomes a reduce-scatter over the token
-    # axis followed by an all-gather, which XLA may schedule later, where the sum is read.
-    tp_microbatches: int = 1
-    tp_reduce: Literal["psum", "reduce_scatter"] = "psum"
-    # Tensor-parallel inference: optimization barriers that fix the order of the sub-blocks (and
-    # chain the token chunks' FFNs) so that XLA schedules under each psum the compute that the
-    # wiring lets it overlap (`model/schedule.py` join). Scheduling only: the numbers are unchanged.
-    tp_order_barriers: bool = True
-    # Single-device and expert-parallel paths (ignored under tensor parallelism): split each device's
-    # sequences into this many equal chunks that run through every layer as separate streams, so
-    # one chunk's all-to-alls can hide under another chunk's compute (MaxText's "batch split").
-    # Lossless: sequences are independent, and capacity is counted per sequence.
-    batch_split: int = 1
-    # Stagger the batch chunks with optimization barriers (model/farskip.py residual_step_chunks):
-    # chunk 1's attention beside chunk 0's MoE. Off (default): the chunks are independent and XLA
-    # orders them, which hid more of FarSkip's all-to-alls; on hid more under regular connectivity
-    # and lowered peak memory (bench/results/batch_split.md).
-    batch_split_stagger: bool = False
     farskip: FarSkipConfig = dataclasses.field(default_factory=FarSkipConfig)
 
     @property
@@ -310,8 +265,7 @@ class ModelConfig:
         positive = ["vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
                     "num_layers", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                     "v_head_dim", "n_routed_experts", "num_experts_per_tok", "moe_layer_freq",
-                    "n_group", "topk_group", "aux_device_groups", "attention_block_q",
-                    "attention_block_kv", "tp_microbatches", "batch_split"]
+                    "n_group", "topk_group", "aux_device_groups"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be > 0, got {getattr(self, name)}")
@@ -331,19 +285,6 @@ class ModelConfig:
                                   f"got {self.topk_group}")
             if self.topk_group * (self.n_routed_experts // self.n_group) < self.num_experts_per_tok:
                 raise ConfigError("model.topk_group groups hold fewer experts than num_experts_per_tok")
-        if self.moe_buffer_factor != 0 and self.moe_buffer_factor < 1:
-            raise ConfigError(f"model.moe_buffer_factor must be 0 (always the worst case) or >= 1 (times "
-                              f"the balanced rows), got {self.moe_buffer_factor}")
-        if self.tp_microbatches > 1 and self.capacity_factor > 0:
-            raise ConfigError("model.tp_microbatches > 1 needs dropless routing "
-                              "(model.capacity_factor <= 0): capacity is counted per sequence, so chunks "
-                              "would drop other tokens")
-        if self.tp_microbatches > 1 and self.layer_loop == "scan":
-            raise ConfigError("model.tp_microbatches > 1 needs model.layer_loop=unrolled (the chunks of "
-                              "one layer interleave with those of the next)")
-        if self.batch_split > 1 and self.layer_loop == "scan":
-            raise ConfigError("model.batch_split > 1 needs model.layer_loop=unrolled (the chunks of "
-                              "one layer interleave with those of the next)")
         fs = self.farskip
         if fs.stale_blocks not in (1, 2):
             raise ConfigError(f"model.farskip.stale_blocks must be 1 or 2, got {fs.stale_blocks}")
@@ -558,10 +499,12 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """The whole run: model, mesh, train, plus free-form sections owned by their subsystems."""
+    """The whole run: model (what to compute), execution (how to run it), mesh, train, plus
+    free-form sections owned by their subsystems."""
 
     name: str = "unnamed"
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    execution: ExecutionConfig = dataclasses.field(default_factory=ExecutionConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     data: dict = dataclasses.field(default_factory=dict)
@@ -569,153 +512,13 @@ class Config:
 
     def validate(self) -> None:
         self.model.validate()
+        self.execution.validate()
         self.mesh.validate()
         self.train.validate()
 
 
 # --------------------------------------------------------------------------------------------
-# Generic dict <-> dataclass with validation
-
-
-def _to_dict(obj: Any) -> Any:
-    # Fresh containers all the way down: a config's dict sections (`data`, `demo`) must not be shared
-    # with the result, or editing the dict (`demo.pipeline.derive`) would edit the config it came from.
-    if dataclasses.is_dataclass(obj):
-        return {f.name: _to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, dict):
-        return {k: _to_dict(v) for k, v in obj.items()}
-    if type(obj) in (list, tuple):
-        return type(obj)(_to_dict(v) for v in obj)
-    return obj
-
-
-def to_dict(cfg: Any) -> dict[str, Any]:
-    """A plain nested dict of a config dataclass (for YAML dumps and checkpoints)."""
-    return _to_dict(cfg)
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Checks `value` against annotation `tp`, converting YAML/CLI scalars where unambiguous."""
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-        if value not in allowed:
-            raise ConfigError(f"{key}={value!r} is not allowed; allowed values: {list(allowed)}")
-        return value
-    if origin in (types.UnionType, typing.Union):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, key)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{key}={value!r} is invalid")
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{key} must be a mapping of {tp.__name__} fields, got {value!r}")
-        return from_dict(tp, value, key)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}={value!r} must be true or false")
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}={value!r} must be an integer")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{key}={value!r} must be a number")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}={value!r} must be a string")
-        return value
-    if origin is tuple:  # tuple[int, ...]: a YAML/JSON list
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{key} must be a list, got {value!r}")
-        (item,) = {a for a in typing.get_args(tp) if a is not Ellipsis}
-        return tuple(_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value))
-    if tp is dict or origin is dict:
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{key} must be a mapping, got {value!r}")
-        return dict(value)
-    return value
-
-
-def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
-    """Builds dataclass `cls` from a mapping, rejecting unknown keys with the allowed ones."""
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - fields)
-    if unknown:
-        key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
-        raise ConfigError(f"unknown config key {key!r}; allowed keys under {prefix or 'the top level'}: "
-                          f"{sorted(fields)}")
-    kwargs = {}
-    for name, value in data.items():
-        key = f"{prefix}.{name}" if prefix else name
-        kwargs[name] = _coerce(value, hints[name], key)
-    obj = cls(**kwargs)
-    if hasattr(obj, "validate") and cls is not Config:
-        obj.validate()
-    return obj
-
-
-def _parse_scalar(text: str) -> Any:
-    """CLI override values are YAML scalars: 4, 1e-5, true, null, greedy, [1, 2]."""
-    value = yaml.safe_load(text)
-    # YAML 1.1 reads `1e-5` (no dot) as a string; a CLI user means the number.
-    if isinstance(value, str) and _EXP_FLOAT.fullmatch(value.strip()):
-        return float(value)
-    return value
-
-
-_EXP_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
-
-
-def apply_overrides(base: dict[str, Any], overrides: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A deep copy of the plain dict `base` with dotted `overrides` ({"farskip.enabled": True}) set;
-    an override below a key that is not a section raises ConfigError naming `prefix.key`."""
-    out = json.loads(json.dumps(base))  # deep copy of plain data
-    for dotted, value in overrides.items():
-        parts = dotted.split(".")
-        node = out
-        for i, part in enumerate(parts[:-1]):
-            if not isinstance(node.get(part), dict):
-                if node.get(part) is None and part in node:
-                    node[part] = {}
-                else:
-                    where = ".".join(([prefix] if prefix else []) + parts[: i + 1])
-                    raise ConfigError(f"unknown config key {where!r}")
-            node = node[part]
-        node[parts[-1]] = value
-    return out
-
-
-def override(obj: Any, overrides: Mapping[str, Any], prefix: str) -> Any:
-    """The config dataclass `obj` with dotted `overrides` applied and validated, e.g.
-    `override(model_cfg, {"farskip.enabled": True}, "model")`; `prefix` names the section in errors."""
-    if not overrides:
-        return obj
-    return from_dict(type(obj), apply_overrides(to_dict(obj), overrides, prefix), prefix)
-
-
-def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
-    """`["model.num_layers=4", "train.mode=sft"]` -> {"model.num_layers": 4, "train.mode": "sft"}."""
-    out = {}
-    for item in items:
-        if "=" not in item:
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. model.num_layers=4")
-        key, _, text = item.partition("=")
-        out[key.strip()] = _parse_scalar(text)
-    return out
+# YAML files and stored configs
 
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -757,8 +560,32 @@ def load_config(name_or_path: str, overrides: Mapping[str, Any] | None = None) -
     path = resolve_config_path(name_or_path)
     tree = _load_yaml_tree(path)
     tree.setdefault("name", path.stem)
-    base = _to_dict(from_dict(Config, tree))
+    base = to_dict(from_dict(Config, tree))
     merged = apply_overrides(base, overrides or {})
     cfg = from_dict(Config, merged)
     cfg.validate()
     return cfg
+
+
+def migrate_stored_config(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """A config dict stored by any version (a training checkpoint's meta "config", a run's
+    config.json; `{"model": d}` for a converted checkpoint's model_config.json) in today's layout:
+    the keys that moved from `model` to `execution` (`ModelConfig.MOVED_KEYS`) are moved there.
+
+    For stored configs only: they were valid when written, so the move cannot change what they
+    mean. User input (YAML, `--set`, overrides) is never migrated: a moved key there is refused
+    with its new name (`config_io.from_dict`). A stored config holding a moved key both under
+    `model` and under `execution` is not one any version wrote, and is refused."""
+    out = dict(tree)
+    model = out.get("model")
+    if not isinstance(model, Mapping) or not any(k in ModelConfig.MOVED_KEYS for k in model):
+        return out
+    execution = dict(out.get("execution") or {})
+    model = dict(model)
+    for key in [k for k in model if k in ModelConfig.MOVED_KEYS]:
+        name = ModelConfig.MOVED_KEYS[key].partition(".")[2]
+        if name in execution:
+            raise ConfigError(f"stored config holds model.{key} and execution.{name}: no version wrote both")
+        execution[name] = model.pop(key)
+    out["model"], out["execution"] = model, execution
+    return out

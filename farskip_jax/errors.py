@@ -1,6 +1,7 @@
 """User errors and how every CLI reports them.
 
-A `UserError` (or `ConfigError`, a subclass of ValueError raised for bad config keys) is a problem
+A `UserError` (or `ConfigError`, a subclass of ValueError raised for bad config keys, defined here
+so that every config module can raise it; `farskip_jax.config` re-exports it) is a problem
 with the user's input: a mesh that needs more devices than there are, a missing data path, a bad
 value. CLIs wrap their `main` with `cli_main`, which prints such errors as one line naming the
 problem and the fix, and exits with status 2, instead of a traceback. Anything else is a bug and
@@ -21,12 +22,14 @@ class UserError(Exception):
     """Bad input from the user; the message names the problem and how to fix it."""
 
 
+class ConfigError(ValueError):
+    """A configuration key or value is invalid; the message names the key."""
+
+
 F = TypeVar("F", bound=Callable[..., int | None])
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
-    from farskip_jax.config import ConfigError
-
     return (UserError, ConfigError, FileNotFoundError)
 
 

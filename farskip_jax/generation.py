@@ -100,7 +100,7 @@ CACHE_BLOCK = 64
 class Generator:
     """Compiled prefill and decode for one model (single device, or TP over `mesh`'s tensor axis).
 
-    Under TP each rank's routed-expert rows are bounded (`model.moe_buffer_factor`); a prefill or
+    Under TP each rank's routed-expert rows are bounded (`execution.moe_buffer_factor`); a prefill or
     decode step whose routing overflows a rank's bound is run again by the worst-case program
     (compiled on its first use) on the caches it returned, which overwrites every slot the void
     step wrote, so generation is exactly dropless. `overflows` counts those re-runs.

@@ -69,8 +69,9 @@ def run_seed(cfg: Config, out: Path, seed: int, log: Any) -> dict[str, Any]:
 
     teacher = dp.run_stage(f"seed {seed}: teacher (regular, lm)", dp.teacher_config(cfg, paths, sd, seed),
                            log)
-    regular = dp.with_farskip(teacher.cfg.model, **dp.FARSKIP_OFF)
-    res["teacher"] = {op: dp.accuracy(regular, teacher.params, t)["exact_match"] for op, t in tests.items()}
+    regular, exe = dp.with_farskip(teacher.cfg.model, **dp.FARSKIP_OFF), teacher.cfg.execution
+    res["teacher"] = {op: dp.accuracy(regular, teacher.params, t, exe)["exact_match"]
+                      for op, t in tests.items()}
     res["teacher_final_loss"] = teacher.summary["final_loss"]
     res["teacher_curve"] = dp.read_metrics(teacher.cfg.train.output_dir)
 
@@ -80,7 +81,8 @@ def run_seed(cfg: Config, out: Path, seed: int, log: Any) -> dict[str, Any]:
     for kind in ("first_n", "last_n"):
         for n in range(n_layers + 1):
             mcfg = regular if n == 0 else dp.converted(regular, **{kind: n})
-            res["conversion"][kind].append(dp.accuracy(mcfg, teacher.params, tests["rev"])["exact_match"])
+            acc = dp.accuracy(mcfg, teacher.params, tests["rev"], exe)
+            res["conversion"][kind].append(acc["exact_match"])
     log(f"[a] seed {seed}: first-N {res['conversion']['first_n']}  last-N {res['conversion']['last_n']}")
 
     # (b) KL vs SFT vs KL + L2, initialised from the teacher, FarSkip on all layers
@@ -90,12 +92,12 @@ def run_seed(cfg: Config, out: Path, seed: int, log: Any) -> dict[str, Any]:
         tag = name.split()[0].lower() + ("_l2" if "L2" in name else "")
         st = dp.run_stage(f"seed {seed}: {name}", dp.student_config(
             cfg, rev_only, sd, Path(teacher.cfg.train.output_dir), f"student_{tag}", seed, extra), log)
-        res["students"][name] = {op: dp.accuracy(farskip_all, st.params, t)["exact_match"]
+        res["students"][name] = {op: dp.accuracy(farskip_all, st.params, t, exe)["exact_match"]
                                  for op, t in tests.items()}
         res["students"][name]["curve"] = st.metrics
         log(f"[b] seed {seed}: {name}: {res['students'][name]['rev']:.3f} rev, "
             f"{res['students'][name]['cpy']:.3f} cpy")
-    res["converted"] = {op: dp.accuracy(farskip_all, teacher.params, t)["exact_match"]
+    res["converted"] = {op: dp.accuracy(farskip_all, teacher.params, t, exe)["exact_match"]
                         for op, t in tests.items()}
 
     # (c) pre-training from scratch with FarSkip: the teacher run is the regular twin (same data and seed)

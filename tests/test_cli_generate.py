@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "model"))
 from hf_tiny import build_hf, save_hf, tiny_hf_config  # noqa: E402
 
 from farskip_jax import cli_generate, from_pretrained  # noqa: E402
+from farskip_jax.config import ExecutionConfig  # noqa: E402
 from farskip_jax.demo.task import vocab, write_tokenizer  # noqa: E402
 from farskip_jax.generation import PAD, Generator  # noqa: E402
 
@@ -73,7 +74,8 @@ def test_text_prompt_goes_through_the_chat_template(ckpt, tmp_path, capsys):
     # The same prompt as ids, rendered by hand: <bos> User: rev a b c Assistant:
     v = vocab(SYMBOLS)
     ids = np.array([[v[t] for t in ["<bos>", "User:", "rev", "a", "b", "c", "Assistant:"]]], np.int32)
-    want = Generator(from_pretrained(ckpt["dir"], capacity_factor=0.0)).generate(ids, NEW, eos_ids=[100001])
+    dropless = ExecutionConfig(capacity_factor=0.0)
+    want = Generator(from_pretrained(ckpt["dir"], exe=dropless)).generate(ids, NEW, eos_ids=[100001])
     rc, path = gen(ckpt, tmp_path, "--prompt", "rev a b c")
     assert rc == 0 and np.array_equal(np.load(path), want)
     from tokenizers import Tokenizer

@@ -2,10 +2,11 @@
 
 The published files are not downloadable here; these are public verbatim copies (source below),
 checked field by field through the same `hf_config.model_config` that loads a real checkpoint.
-Fields that say how to run, not which model (dtypes, remat, batch split, buffers, kernels), are
-ours to choose and left out. Llama-4 Scout has no verbatim copy (two hand-edited ones disagree on
-RoPE); its config.json as published is checked in tests/model/test_llama4.py. Instella-MoE has
-none (configs/instella_moe.yaml says which of its values are DeepSeek-V2-Lite's).
+The dtypes are ours to choose and left out; how to run the model (remat, batch split, buffers,
+kernels) is the `execution` section, not a ModelConfig field. Llama-4 Scout has no verbatim copy
+(two hand-edited ones disagree on RoPE); its config.json as published is checked in
+tests/model/test_llama4.py. Instella-MoE has none (configs/instella_moe.yaml says which of its
+values are DeepSeek-V2-Lite's).
 """
 
 from __future__ import annotations
@@ -17,10 +18,8 @@ import pytest
 from farskip_jax import hf_config
 from farskip_jax.config import load_config
 
-# How to run: not in config.json.
-RUNTIME = ("param_dtype", "dtype", "remat", "batch_split", "batch_split_stagger", "moe_buffer_factor",
-           "expert_matmul", "ep_exchange", "attention", "attention_block_q", "attention_block_kv",
-           "layer_loop", "tp_microbatches", "tp_reduce", "tp_order_barriers", "capacity_factor")
+# Ours to choose: not in config.json.
+RUNTIME = ("param_dtype", "dtype")
 
 # kvcache-ai/ktransformers KT-SFT/ktransformers/configs/model_config/config.json
 # (commit f1239a1a86fa49e7b122b9b459038e1d5b028042): deepseek-ai/DeepSeek-V2-Lite(-Chat)

@@ -18,10 +18,10 @@ Bounded memory: Orbax's one-call `save` needs the whole tree in host memory (the
 convert Llama 70B" failure), so the tree is built group by group (the embedding, each layer's
 non-expert weights, each layer's stacked routed-expert arrays one at a time, the head) with
 `orbax.checkpoint.experimental.v1.partial.save`, and `finalize` merges the per-call OCDBT manifests
-into one (no data is copied; `orbax_io.ParamsWriter`). Reading group i+1 from the safetensors files
-overlaps writing group i, so host memory holds about two groups plus TensorStore's write buffers
-(bench/convert_rss.py checks the peak against baseline + 4 x the largest group), whatever the model
-size. Leaves are numpy arrays (no JAX device is involved while converting), and routed-expert arrays
+into one (no data is copied; `orbax_io.ParamsWriter`). `workers` threads read the next groups from
+the safetensors files while Orbax saves one (one save at a time: Orbax's constraint), so host
+memory holds workers + 2 groups (`memory_bound`; bench/convert_rss.py checks the peak), whatever
+the model size. Leaves are numpy arrays (no JAX device is involved while converting), and routed-expert arrays
 are chunked one expert per chunk, so an expert-parallel restore of any EP size that divides E reads
 exactly its own experts; `orbax_io.restore_params` restores with `jax.ShapeDtypeStruct` targets
 carrying the wanted `NamedSharding`, so each device reads only its slices.
@@ -29,20 +29,20 @@ carrying the wanted `NamedSharding`, so each device reads only its slices.
 Version-1 directories (one Orbax checkpoint per group under OUT/params/<group>/ plus the marker's
 group index) still load everywhere (`from_pretrained`, `load_params`, `--to-hf`).
 
-Writes go to a temporary sibling directory that is renamed into place at the end; the marker is
-the last file written, so an interrupted conversion never leaves a loadable half checkpoint.
+Writes go to a temporary sibling directory that is renamed into place at the end (`output_dir`,
+shared with the export `to_hf`); the marker is the last file written, so an interrupted conversion
+never leaves a loadable half checkpoint.
 """
 
 from __future__ import annotations
 
-import contextlib
+import collections
 import dataclasses
 import json
-import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,14 @@ import numpy as np
 
 from farskip_jax import hf_config
 from farskip_jax.checkpoint import hf_tokenizer
-from farskip_jax.checkpoint.common import bits, copy_into, nest_set, raise_problems
+from farskip_jax.checkpoint.common import (
+    bits,
+    copy_into,
+    nest_set,
+    raise_problems,
+    release_freed_memory,
+    row_ranges,
+)
 from farskip_jax.checkpoint.hf_io import CheckpointError, TensorSource, np_dtype
 from farskip_jax.checkpoint.hf_keys import ParamSpec, hf_key_index, param_specs
 from farskip_jax.checkpoint.hf_load import config_from_dir
@@ -63,17 +70,13 @@ from farskip_jax.checkpoint.orbax_io import (
     VERSION,
     ParamsWriter,
 )
+from farskip_jax.checkpoint.output_dir import atomic_output_dir, output_errors, pause_for_tests
 from farskip_jax.config import ConfigError, ModelConfig, override, to_dict
 
-# Test hook: seconds to sleep after the first group (with --to-hf: shard) is written, to SIGKILL a
-# conversion mid-write.
-TEST_PAUSE_ENV = "FARSKIP_CONVERT_TEST_PAUSE_S"
 DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
-_TMP_TAG = ".farskip-tmp-"
-PLAN_FILE = "convert_plan.json"  # in the temp dir only: what an interrupted conversion was writing
-# In an Orbax -> HF temp dir only: the safetensors shards complete on disk (each name appended after
-# its fdatasync), so that a resumed export starts at the first shard not listed.
-SHARDS_DONE = "shards_done.txt"
+# Threads reading (HF -> Orbax) or restoring and writing (Orbax -> HF) at once; memory grows with it
+# (`memory_bound`), the result does not.
+DEFAULT_WORKERS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,96 +244,8 @@ def resolve_dtype(source: TensorSource, specs: list[ParamSpec], requested: str |
     raise CheckpointError(f"{source.dir}: source tensors have dtype(s) {found}; pass --dtype bf16 or fp32")
 
 
-def output_errors(output: Path, overwrite: bool, inputs: list[Path]) -> list[str]:
-    out = output.resolve()
-    for i in inputs:
-        i = i.resolve()
-        if out == i or i in out.parents or out in i.parents:
-            return [f"{output}: the output directory must not contain or be inside the input {i}"]
-    if output.exists() and not output.is_dir():
-        return [f"{output}: exists and is not a directory"]
-    if output.is_dir() and any(output.iterdir()) and not overwrite:
-        return [f"{output}: output directory exists and is not empty; pass --overwrite to replace it"]
-    return []
-
-
 # --------------------------------------------------------------------------------------------
-# Atomic output directory
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-@contextlib.contextmanager
-def atomic_output_dir(output: Path, log: Callable[[str], None] = print, plan: dict | None = None,
-                      resume: bool = False) -> Iterator[Path]:
-    """Yields a temp dir next to `output`, renamed to `output` only when the body succeeds.
-
-    `plan` (what is being converted: `conversion_plan`, `to_hf.export_plan`) is written into the
-    temp dir first. With
-    `resume`, the temp dir of an interrupted conversion (its pid is gone) with the same plan is
-    taken over instead of a new one; without, such dirs are removed. A body that fails after
-    writing keeps its temp dir for a later `resume`.
-    """
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.parent / f".{output.name}{_TMP_TAG}{os.getpid()}"
-    adopted = None
-    for stale in sorted(output.parent.glob(f".{output.name}{_TMP_TAG}*"), key=lambda p: p.stat().st_mtime):
-        pid = stale.name.rsplit("-", 1)[-1]
-        if not pid.isdigit() or _pid_alive(int(pid)):
-            continue
-        if resume and plan is not None:
-            problem = plan_mismatch(stale, plan)
-            if problem is None:
-                if adopted is not None:
-                    shutil.rmtree(adopted, ignore_errors=True)
-                adopted = stale
-                continue
-            raise CheckpointError(f"--resume: {stale} holds an interrupted conversion of something else "
-                                  f"({problem}); rerun with its settings, or without --resume to start over "
-                                  "(that removes it)")
-        hint = " (--resume would continue it instead)" if plan is not None else ""
-        log(f"removing {stale} left by an interrupted conversion{hint}")
-        shutil.rmtree(stale, ignore_errors=True)
-    if adopted is not None:
-        adopted.rename(tmp)
-    else:
-        if resume:
-            log(f"--resume: no interrupted conversion to {output} found; starting from the beginning")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        if plan is not None:
-            (tmp / PLAN_FILE).write_text(json.dumps(plan, indent=1) + "\n")
-    try:
-        yield tmp
-    except BaseException:
-        if plan is not None and (ParamsWriter.committed_saves(tmp) or (tmp / SHARDS_DONE).is_file()):
-            log(f"conversion stopped; what was written is kept in {tmp}: rerun the same command with "
-                "--resume to continue it")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    (tmp / PLAN_FILE).unlink(missing_ok=True)
-    (tmp / SHARDS_DONE).unlink(missing_ok=True)
-    if output.exists():
-        # Rename the old output away first, so the output name always holds a complete checkpoint.
-        old = output.parent / f".{output.name}.farskip-old-{os.getpid()}"
-        output.rename(old)
-        tmp.rename(output)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(output)
-
-
-# --------------------------------------------------------------------------------------------
-# Resuming an interrupted conversion
+# Resuming an interrupted conversion (the temp dir, its plan file and the resume rules: `output_dir`)
 
 
 def conversion_plan(src: Path, source: TensorSource, dtype: str, overrides: dict[str, Any],
@@ -341,22 +256,6 @@ def conversion_plan(src: Path, source: TensorSource, dtype: str, overrides: dict
     return {"direction": "hf-to-orbax", "version": VERSION, "source": str(src.resolve()), "dtype": dtype,
             "overrides": {k: overrides[k] for k in sorted(overrides)}, "compress": compress, "mesh": mesh,
             "files": {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}}
-
-
-def plan_mismatch(tmp: Path, plan: dict) -> str | None:
-    """None if the interrupted conversion in `tmp` was converting exactly `plan`, else what differs."""
-    f = tmp / PLAN_FILE
-    if not f.is_file():
-        return f"no {PLAN_FILE}"
-    old = json.loads(f.read_text())
-    for key in plan:
-        if key == "files" and old.get("files") != plan["files"]:
-            changed = sorted(n for n in set(plan["files"]) | set(old.get("files", {}))
-                             if plan["files"].get(n) != old.get("files", {}).get(n))
-            return f"input files changed since: {', '.join(changed[:3])}"
-        if old.get(key) != plan[key]:
-            return f"{key} was {old.get(key)!r}, now {plan[key]!r}"
-    return None
 
 
 def written_paths(tmp: Path) -> set[tuple]:
@@ -373,14 +272,6 @@ def progress_bar(total: int, desc: str, enabled: bool):
                 dynamic_ncols=True)
 
 
-def pause_for_tests(what: str) -> None:
-    """Sleeps TEST_PAUSE_ENV seconds (if set) after the first `what` is on disk."""
-    pause = float(os.environ.get(TEST_PAUSE_ENV, "0") or 0)
-    if pause > 0:
-        print(f"farskip-convert: test pause after the first {what}", flush=True)
-        time.sleep(pause)
-
-
 # --------------------------------------------------------------------------------------------
 # HF -> Orbax
 
@@ -389,10 +280,12 @@ def read_param_as(source: TensorSource, spec: ParamSpec, dtype: np.dtype) -> np.
     """One parameter in our layout and `dtype`, C-contiguous (what TensorStore writes without a copy).
 
     Stacked experts are filled into one preallocated array expert by expert, so at most one HF
-    expert tensor is held besides the result.
+    expert tensor is held besides the result. A tensor whose layout is ours or its plain transpose
+    (the embedding, the LM head, every linear) is read in row blocks of `BLOCK_BYTES` into the result,
+    or is the result itself when it already is in `dtype`: reading never holds a whole second copy.
     """
-    out = np.empty(spec.shape, dtype)
     if is_stacked(spec):
+        out = np.empty(spec.shape, dtype)
         layout = None
         for j, key in enumerate(spec.hf_keys):
             t = source.read(key)
@@ -400,11 +293,42 @@ def read_param_as(source: TensorSource, spec: ParamSpec, dtype: np.dtype) -> np.
                 layout = expert_layout(spec, t)
             copy_into(out[j], layout(t))
         return out
-    arr = spec.to_ours([source.read(spec.hf_keys[0])])
+    key = spec.hf_keys[0]
+    kind = simple_layout(spec)
+    if kind == "same" and source.dtype_name(key) == dtype.name and key not in source.scales:
+        arr = source.read(key)  # a fresh C-contiguous array: the result, no copy
+        if arr.shape != spec.shape:
+            raise CheckpointError(f"parameter {spec.name}: built shape {arr.shape} != {spec.shape}")
+        return arr
+    out = np.empty(spec.shape, dtype)
+    if kind is not None and len(spec.hf_shape) == (2 if kind == "T" else len(spec.shape)):
+        itemsize = np_dtype(source.dtype_name(key)).itemsize
+        for r0, r1 in row_ranges(spec.hf_shape, itemsize, align=source.row_align(key)):
+            rows = source.read_rows(key, r0, r1)
+            copy_into(out[r0:r1] if kind == "same" else out[:, r0:r1], rows if kind == "same" else rows.T)
+        return out
+    arr = spec.to_ours([source.read(key)])
     if arr.shape != spec.shape:
         raise CheckpointError(f"parameter {spec.name}: built shape {arr.shape} != {spec.shape}")
     copy_into(out, arr)
     return out
+
+
+def simple_layout(spec: ParamSpec) -> str | None:
+    """"same" when `spec.to_ours` returns the HF tensor itself, "T" when it returns its transpose,
+    None for anything else (a reshape into heads, a slice of a fused tensor). Found by calling
+    `to_ours` on a 2 x 3 probe: the layout functions are plain lambdas, and the ones with fixed
+    head dimensions refuse the probe's shape."""
+    probe = np.arange(6, dtype=np.float32).reshape(2, 3)
+    try:
+        got = spec.to_ours([probe])
+    except (ValueError, IndexError, TypeError):
+        return None
+    if got is probe:
+        return "same"
+    if isinstance(got, np.ndarray) and got.shape == (3, 2) and np.array_equal(got, probe.T):
+        return "T"
+    return None
 
 
 def expert_layout(spec: ParamSpec, t: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
@@ -446,6 +370,43 @@ def mapping_table(specs: list[ParamSpec], src_dtype: Callable[[ParamSpec], str],
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
+def check_workers(workers: int) -> None:
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ConfigError(f"--workers {workers!r}: expected an integer >= 1 (threads reading and writing "
+                          "at once; each holds about one more group in memory)")
+
+
+def largest_group_bytes(groups: list[Group], itemsize: int) -> int:
+    return max(sum(int(np.prod(s.shape)) for s in g.specs) * itemsize for g in groups)
+
+
+MEMORY_SLACK = 512 * 2**20  # Python objects, TensorStore's caches (100 MB OCDBT cache), thread stacks
+
+
+def memory_bound(direction: str, largest_group: int, workers: int = DEFAULT_WORKERS,
+                 fp8: bool = False) -> int:
+    """The most host memory (bytes, on top of the import baseline) a conversion holds, by what it
+    holds, independent of the number of layers:
+
+    "to_orbax" (HF -> Orbax): workers + 2 largest groups: `workers` read ahead (or being read), the
+    one being saved, and TensorStore's copy of it (a save assembles its data file in memory), plus
+    one row block (`common.BLOCK_BYTES`) or one HF expert tensor per reader.
+    "to_hf" (Orbax -> HF): 2 x workers + 1 largest groups: at most workers + 1 groups restored or
+    with tensors still being written, `workers` of them being restored through TensorStore's read
+    buffers (a second copy while restoring), plus one row block per writer (with `fp8`, the
+    quantizer's float32 temporaries: about 4 blocks).
+    Both plus `MEMORY_SLACK`. bench/convert_rss.py measures the peak against it."""
+    from farskip_jax.checkpoint import common
+
+    if direction == "to_orbax":
+        held = (workers + 2) * largest_group + workers * common.BLOCK_BYTES
+    elif direction == "to_hf":
+        held = (2 * workers + 1) * largest_group + workers * (4 if fp8 else 1) * common.BLOCK_BYTES
+    else:
+        raise ValueError(f"direction {direction!r}: 'to_orbax' or 'to_hf'")
+    return held + MEMORY_SLACK
+
+
 def check_mesh(mesh: dict[str, int], cfg: ModelConfig) -> None:
     ep = mesh.get("expert", 1) * mesh.get("tensor", 1)
     if cfg.n_routed_experts % ep:
@@ -456,14 +417,16 @@ def check_mesh(mesh: dict[str, int], cfg: ModelConfig) -> None:
 def convert_hf_to_orbax(input_dir: str | Path, output_dir: str | Path, *, dtype: str | None = None,
                         mesh: dict[str, int] | None = None, overrides: dict[str, Any] | None = None,
                         dry_run: bool = False, overwrite: bool = False, progress: bool = True,
-                        compress: bool = False, resume: bool = False,
+                        compress: bool = False, resume: bool = False, workers: int = DEFAULT_WORKERS,
                         log: Callable[[str], None] = print) -> Summary:
     """Validates an HF DeepSeek-V2/V3, Instella-MoE, Qwen3-MoE or Llama-4 directory, then writes it as a
     farskip Orbax checkpoint (DeepSeek-V3's multi-token-prediction layers and Llama-4's vision tower
     are skipped, with a message;
     `compress`: zstd, about 10% smaller for bf16 weights and CPU-bound; `resume`: continue an
     interrupted conversion of the same input with the same settings, skipping the groups it wrote:
-    the result is bitwise the uninterrupted one)."""
+    the result is bitwise the uninterrupted one; `workers`: groups read ahead by as many threads,
+    see `memory_bound`; the result does not depend on it)."""
+    check_workers(workers)
     src, out = Path(input_dir), Path(output_dir)
     base_cfg = config_from_dir(src)
     source = TensorSource(src)
@@ -496,7 +459,7 @@ def convert_hf_to_orbax(input_dir: str | Path, output_dir: str | Path, *, dtype:
                 log(f"  {pattern} x {n}")
         log(f"\n{len(groups)} Orbax groups, {summary.tensors} HF tensors -> {len(specs)} parameters, "
             f"{summary.params:,} parameters, {total:,} bytes ({total / 1e9:.3f} GB) to write to {out}")
-        largest = max(sum(int(np.prod(s.shape)) for s in g.specs) * itemsize for g in groups)
+        largest = largest_group_bytes(groups, itemsize)
         log(f"largest group (bounds host memory): {largest / 1e9:.3f} GB; FarSkip layers: "
             f"{list(cfg.farskip.layer_range(cfg.num_layers))}")
         return summary
@@ -517,16 +480,26 @@ def convert_hf_to_orbax(input_dir: str | Path, output_dir: str | Path, *, dtype:
             bar.update(done_bytes)
         # One chunk per expert: an EP restore reads only the experts it owns.
         writer = ParamsWriter(tmp, {s.path for s in specs if is_stacked(s)}, compress=compress)
-        # Reading (disk + layout copies) of group i+1 overlaps writing group i: two groups in memory.
-        with ThreadPoolExecutor(1, thread_name_prefix="farskip-read") as pool:
-            pending = pool.submit(read_group, source, todo[0], np_dt) if todo else None
+        # `workers` threads read (disk + layout copies) the next groups while Orbax writes one: at
+        # most workers + 1 groups in memory. Saves stay one at a time, in group order: Orbax runs
+        # one partial save at a time (each stages in the same temporary directory), and a group
+        # counts as written (for --resume) once its own save is committed.
+        with ThreadPoolExecutor(workers, thread_name_prefix="farskip-read") as pool:
+            ahead: collections.deque = collections.deque()
+            queue = iter(todo)
+
+            def read_ahead() -> None:
+                while len(ahead) < workers and (g := next(queue, None)) is not None:
+                    ahead.append(pool.submit(read_group, source, g, np_dt))
+
+            read_ahead()
             for gi, group in enumerate(todo):
-                tree, nbytes = pending.result()
-                if gi + 1 < len(todo):
-                    pending = pool.submit(read_group, source, todo[gi + 1], np_dt)
+                tree, nbytes = ahead.popleft().result()
+                read_ahead()
                 bar.set_postfix_str(f"writing {group.name}")
                 writer.add(tree)
                 del tree
+                release_freed_memory()
                 bar.update(nbytes)
                 if gi == 0:
                     pause_for_tests("group")

@@ -8,9 +8,9 @@ tensors are not listed as tensors of their own (`keys`). A quantized weight with
 scale without its weight, or a scale of the wrong shape is refused, naming the tensor.
 
 Nothing here holds more than the tensors a caller asks for: a safetensors file's header is parsed
-once and each tensor is read with one seek + read of its byte range (no mmap, so pages of other
-tensors never count towards the process RSS; bfloat16 works, which safetensors' numpy API lacks).
-PyTorch `.bin` files are loaded with `torch.load(weights_only=True)`
+once and each tensor (or a range of its rows, `read_rows`) is read with one seek + read of its byte
+range (no mmap, so pages of other tensors never count towards the process RSS; bfloat16 works, which
+safetensors' numpy API lacks). PyTorch `.bin` files are loaded with `torch.load(weights_only=True)`
 (never full unpickling), one file at a time, which is the best that format allows.
 """
 
@@ -301,33 +301,71 @@ class TensorSource:
     def read(self, key: str) -> np.ndarray:
         """One tensor as numpy (bfloat16 via ml_dtypes), bit-exact; an FP8 weight dequantized to
         float32 with its block scales."""
+        return self.read_rows(key, 0, None)
+
+    def row_align(self, key: str) -> int:
+        """What `read_rows` ranges of `key` must start at multiples of: an FP8 weight's block rows."""
+        return self.fp8_block[0] if key in self.scales and self.fp8_block else 1
+
+    def read_rows(self, key: str, start: int, stop: int | None) -> np.ndarray:
+        """Rows [start, stop) (first axis; None: to the end) of one tensor, like `read(key)[start:stop]`
+        without reading the rest: one seek + read of their byte range. An FP8 weight's range must
+        start on a block boundary (`row_align`); its rows are dequantized with their scale rows."""
         if key in self.scales:
             assert self.fp8_block is not None
-            return dequantize_fp8(self._read_raw(key), self._read_raw(self.scales[key]), self.fp8_block, key)
-        return self._read_raw(key)
+            b0 = self.fp8_block[0]
+            if start % b0:
+                raise ValueError(f"{key}: FP8 rows from {start}, not a multiple of the block's {b0} rows")
+            want = fp8_scale_shape(self.shape(key), self.fp8_block)
+            if self._raw_shape(self.scales[key]) != want:
+                raise CheckpointError(f"tensor {key}{SCALE_SUFFIX}: shape "
+                                      f"{list(self._raw_shape(self.scales[key]))} does not match {key} "
+                                      f"{list(self.shape(key))} in blocks of {list(self.fp8_block)} "
+                                      f"(expected {list(want)})")
+            q = self._read_raw(key, start, stop)
+            scale = self._read_raw(self.scales[key], start // b0, -(-(start + q.shape[0]) // b0))
+            return dequantize_fp8(q, scale, self.fp8_block, key)
+        return self._read_raw(key, start, stop)
 
-    def _read_raw(self, key: str) -> np.ndarray:
+    def _raw_shape(self, key: str) -> tuple[int, ...]:
         f = self.key_to_file[key] if key in self.key_to_file else self._scale_files[key]
         if f.suffix == ".safetensors":
-            f, start, entry = self._st_entry(key)
+            return tuple(self._st_entry(key)[2]["shape"])
+        return tuple(self._bin(f)[self._stored.get(key, key)].shape)
+
+    def _read_raw(self, key: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        f = self.key_to_file[key] if key in self.key_to_file else self._scale_files[key]
+        if f.suffix == ".safetensors":
+            f, data_start, entry = self._st_entry(key)
             dtype = np_dtype(ST_DTYPES.get(entry["dtype"], entry["dtype"]))
+            shape = tuple(entry["shape"])
             begin, end = entry["data_offsets"]
-            count = (end - begin) // dtype.itemsize
-            if count != int(np.prod(entry["shape"])):
+            total = (end - begin) // dtype.itemsize
+            if total != int(np.prod(shape)):
                 raise CheckpointError(f"{f}: tensor {key!r}: byte range does not match its shape "
-                                      f"{entry['shape']}")
+                                      f"{list(shape)}")
+            if not shape:
+                start, stop = 0, None
+            rows = shape[0] if shape else 1
+            stop = rows if stop is None else min(stop, rows)
+            row = int(np.prod(shape[1:])) if shape else 1
+            count = (stop - start) * row
             with open(f, "rb") as fh:
-                fh.seek(start + begin)
+                fh.seek(data_start + begin + start * row * dtype.itemsize)
                 arr = np.fromfile(fh, dtype=dtype, count=count)
             if arr.size != count:
                 raise CheckpointError(f"{f}: tensor {key!r} is truncated")
-            return arr.reshape(entry["shape"])
-        return _torch_to_numpy(self._bin(f)[self._stored.get(key, key)])
+            return arr.reshape((stop - start, *shape[1:]) if shape else ())
+        t = self._bin(f)[self._stored.get(key, key)]
+        return _torch_to_numpy(t[start:stop] if t.dim() and (start or stop is not None) else t)
 
     def _bin(self, f: Path) -> dict:
-        if self._bin_cache is None or self._bin_cache[0] != f:
-            self._bin_cache = (f, self._torch_load(f))
-        return self._bin_cache[1]
+        # One local reference: readers in several threads may swap the one-file cache meanwhile.
+        cache = self._bin_cache
+        if cache is None or cache[0] != f:
+            cache = (f, self._torch_load(f))
+            self._bin_cache = cache
+        return cache[1]
 
     def files(self) -> Iterator[Path]:
         yield from sorted(set(self.key_to_file.values()))

@@ -32,7 +32,7 @@ from farskip_jax.checkpoint import orbax_io
 from farskip_jax.checkpoint.common import model_shardings, nest_set
 from farskip_jax.checkpoint.hf_io import CheckpointError, TensorSource
 from farskip_jax.checkpoint.hf_keys import ParamSpec, hf_key_index, param_specs
-from farskip_jax.config import ModelConfig, override
+from farskip_jax.config import ExecutionConfig, ModelConfig, override
 from farskip_jax.model.layers import DTYPES
 from farskip_jax.model.transformer import Transformer
 
@@ -144,13 +144,14 @@ def load_params(path: str | Path, cfg: ModelConfig, shardings: Any, dtype: Any) 
 
 
 def from_pretrained(path: str | Path, *, mesh: jax.sharding.Mesh | None = None,
-                    **overrides: Any) -> Transformer:
+                    exe: ExecutionConfig = ExecutionConfig(), **overrides: Any) -> Transformer:
     """A `Transformer` from an HF directory (config.json + safetensors or .bin) or a directory written
     by `convert_torch_ckpt.py` (marker `farskip_checkpoint.json`), through `load_params`.
 
     Without `mesh` every parameter lands on the first device; with `mesh`, routed experts are split
     over its 'expert' axis and the rest replicated, each device reading only its slice.
-    Overrides are dotted ModelConfig keys: `from_pretrained(d, **{"farskip.enabled": True})`.
+    Overrides are dotted ModelConfig keys: `from_pretrained(d, **{"farskip.enabled": True})`; how
+    the model runs (kernels, remat, buffers...) is `exe`, never stored with the checkpoint.
     """
     if orbax_io.is_orbax_checkpoint(path):
         cfg = orbax_io.load_model_config(path, **overrides)
@@ -158,7 +159,7 @@ def from_pretrained(path: str | Path, *, mesh: jax.sharding.Mesh | None = None,
         cfg = config_from_dir(path, **overrides)
     shardings = model_shardings(cfg, mesh) if mesh is not None else None
     params = load_params(path, cfg, shardings, DTYPES[cfg.param_dtype])
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0), exe)))
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)
 

@@ -12,18 +12,20 @@ A FarSkip model is exported with `modeling_farskip_{deepseek_v2,deepseek_v3,qwen
 (this package's remote code for transformers) registered in config.json, so that transformers runs
 FarSkip with trust_remote_code.
 
-Host memory stays bounded by one group (a layer's experts): every parameter group is restored on
-its own (a partial restore for training checkpoints), and shards are plain files whose header is
-computed up front from the planned tensor list, so each tensor is appended as soon as it exists.
+Host memory stays bounded by a few groups (a layer's experts each; `convert.memory_bound`): every
+parameter group is restored on its own (a partial restore), `workers` of them ahead, and shards are
+plain files whose header is computed up front from the planned tensor list, so each tensor is
+written at its offset as soon as it exists, by `workers` threads at once, in row blocks (the shard
+files: `safetensors_shards`; the temp dir and resume rules shared with `convert`: `output_dir`).
 """
 
 from __future__ import annotations
 
+import collections
 import json
-import os
 import re
 import shutil
-import struct
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,18 +35,23 @@ from typing import Any
 import numpy as np
 
 from farskip_jax import hf_config
-from farskip_jax.checkpoint import hf_tokenizer
-from farskip_jax.checkpoint.common import copy_into, nest_get, nest_set, raise_problems
+from farskip_jax.checkpoint import common, hf_tokenizer
+from farskip_jax.checkpoint.common import (
+    copy_into,
+    nest_get,
+    nest_set,
+    raise_problems,
+    release_freed_memory,
+    row_ranges,
+)
 from farskip_jax.checkpoint.convert import (
-    SHARDS_DONE,
+    DEFAULT_WORKERS,
     Group,
     Summary,
-    atomic_output_dir,
+    check_workers,
     group_specs,
     hf_key_label,
-    output_errors,
     parse_dtype,
-    pause_for_tests,
     progress_bar,
 )
 from farskip_jax.checkpoint.hf_io import (
@@ -69,9 +76,18 @@ from farskip_jax.checkpoint.orbax_io import (
     restore_tree,
     saved_tree_metadata,
 )
-from farskip_jax.config import ConfigError, ModelConfig, from_dict, override
+from farskip_jax.checkpoint.output_dir import atomic_output_dir, output_errors
+from farskip_jax.checkpoint.safetensors_shards import (
+    ST_TAGS,
+    Entry,
+    ShardSet,
+    entry_bytes,
+    plan_shards,
+    shard_bytes,
+    shards_on_disk,
+)
+from farskip_jax.config import ConfigError, ModelConfig, from_dict, migrate_stored_config, override
 
-ST_TAGS = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float8_e4m3fn": "F8_E4M3"}
 FP8_DEFAULT_BLOCK = (128, 128)  # DeepSeek-V3 / R1 as published
 INDEX = "model.safetensors.index.json"
 
@@ -157,107 +173,29 @@ def _trainer_metas(step_dir: Path) -> list[dict]:
 
 
 def trainer_config_dict(step_dir: Path) -> dict | None:
-    """The whole training config stored in a training checkpoint's meta (None if absent)."""
-    return next((m["config"] for m in _trainer_metas(step_dir) if isinstance(m.get("config"), dict)), None)
+    """The whole training config stored in a training checkpoint's meta (None if absent), in
+    today's layout (`migrate_stored_config`: a checkpoint from before `ExecutionConfig` keeps the
+    execution keys under "model")."""
+    stored = next((m["config"] for m in _trainer_metas(step_dir) if isinstance(m.get("config"), dict)), None)
+    return None if stored is None else migrate_stored_config(stored)
 
 
 def trainer_model_config(step_dir: Path) -> ModelConfig:
-    """Our assumption about the trainer's "meta" JSON item (see the module docstring)."""
+    """Our assumption about the trainer's "meta" JSON item (see the module docstring); the model
+    section of a config stored before `ExecutionConfig` existed is migrated (its execution keys,
+    which export and description do not read, moved out)."""
     for meta in _trainer_metas(step_dir):
         for cand in (meta.get("model_config"), meta.get("model"), (meta.get("config") or {}).get("model")):
             if isinstance(cand, dict):
                 if "num_hidden_layers" in cand:
                     return hf_config.model_config(cand)
-                return from_dict(ModelConfig, cand, "model")
+                return from_dict(ModelConfig, migrate_stored_config({"model": cand})["model"], "model")
     raise CheckpointError(f"{step_dir / 'meta'}: no JSON with a model config under 'model_config', 'model' "
                           "or 'config.model'")
 
 
 # --------------------------------------------------------------------------------------------
-# Streaming safetensors shards
-
-
-Entry = tuple[str, tuple[int, ...], str]  # HF key, shape, dtype name
-
-
-def entry_bytes(entry: Entry) -> int:
-    return int(np.prod(entry[1])) * np_dtype(entry[2]).itemsize
-
-
-def plan_shards(entries: list[Entry], max_bytes: int) -> list[list[Entry]]:
-    shards: list[list[Entry]] = [[]]
-    size = 0
-    for entry in entries:
-        n = entry_bytes(entry)
-        if shards[-1] and size + n > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(entry)
-        size += n
-    return shards
-
-
-class ShardWriter:
-    """Writes one safetensors file whose tensors arrive in the planned order."""
-
-    def __init__(self, path: Path, entries: list[Entry]):
-        self.path, self.entries, self.pos = path, entries, 0
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for key, shape, dtype in entries:
-            n = entry_bytes((key, shape, dtype))
-            header[key] = {"dtype": ST_TAGS[dtype], "shape": list(shape),
-                           "data_offsets": [offset, offset + n]}
-            offset += n
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
-        self.fh = open(path, "wb")  # noqa: SIM115 - closed by close()
-        self.fh.write(struct.pack("<Q", len(raw)) + raw)
-
-    def write(self, key: str, arr: np.ndarray) -> None:
-        exp_key, exp_shape, exp_dtype = self.entries[self.pos]
-        if key != exp_key or arr.shape != exp_shape or arr.dtype != np_dtype(exp_dtype):
-            raise CheckpointError(f"{self.path.name}: got {key} {arr.shape} {arr.dtype}, planned {exp_key} "
-                                  f"{exp_shape} {exp_dtype}")
-        if not arr.flags.c_contiguous:
-            buf = np.empty(arr.shape, arr.dtype)
-            copy_into(buf, arr)  # transposes in tiles: several times faster than ascontiguousarray
-            arr = buf
-        self.fh.write(arr.reshape(-1).view(np.uint8).data)
-        self.pos += 1
-
-    @property
-    def done(self) -> bool:
-        return self.pos == len(self.entries)
-
-    def close(self) -> None:
-        """Flushes to disk (fdatasync) before closing, then lists the shard in SHARDS_DONE (also
-        synced): a listed shard is complete whatever stops the export afterwards."""
-        self.fh.flush()
-        os.fdatasync(self.fh.fileno())
-        self.fh.close()
-        with open(self.path.parent / SHARDS_DONE, "a") as done:
-            done.write(self.path.name + "\n")
-            done.flush()
-            os.fdatasync(done.fileno())
-
-
-def shard_bytes(entries: list[Entry]) -> int:
-    """Planned data bytes of a shard (its header comes on top)."""
-    return sum(entry_bytes(e) for e in entries)
-
-
-def shards_on_disk(tmp: Path, names: list[str], shards: list[list[Entry]]) -> int:
-    """How many of the planned shards an interrupted export finished: the longest prefix of `names`
-    listed in SHARDS_DONE whose files are still there and no shorter than their data."""
-    listed = set((tmp / SHARDS_DONE).read_text().split()) if (tmp / SHARDS_DONE).is_file() else set()
-    k = 0
-    while (k < len(names) and names[k] in listed and (tmp / names[k]).is_file()
-           and (tmp / names[k]).stat().st_size > shard_bytes(shards[k])):
-        k += 1
-    # The list names only what is kept: a shard after the prefix is written again from its start.
-    (tmp / SHARDS_DONE).write_text("".join(n + "\n" for n in names[:k]))
-    return k
+# Exporting (the shard files themselves: `safetensors_shards`)
 
 
 def export_plan(src: Path, out_dtype: str, overrides: dict[str, Any], max_shard_size: str,
@@ -295,10 +233,119 @@ def with_fp8(entries: list[tuple[str, tuple[int, ...]]], out_dtype: str,
     return planned
 
 
+class TensorWriter:
+    """Writes one HF tensor into its shard in row blocks of `common.BLOCK_BYTES`: cast to the export dtype
+    or FP8-quantized block by block into a buffer each writer thread reuses, so a writer holds one
+    block (an FP8 block's quantizer temporaries: about 4 blocks) whatever the tensor's size. A tensor
+    already C-contiguous in the export dtype is written straight from the restored array."""
+
+    def __init__(self, files: ShardSet, out_dtype: str, block: tuple[int, int] | None, quantized: set[str],
+                 bar: Any):
+        self.files, self.dtype, self.block, self.quantized = files, np_dtype(out_dtype), block, quantized
+        self._bar, self._bar_lock = bar, threading.Lock()
+        self._local = threading.local()
+
+    def _buffer(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        n = int(np.prod(shape)) * dtype.itemsize
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.nbytes < n:
+            buf = np.empty(max(n, common.BLOCK_BYTES), np.uint8)
+            self._local.buf = buf
+        return buf[:n].view(dtype).reshape(shape)
+
+    def _put(self, key: str, data: np.ndarray, first_row: int) -> None:
+        if not self.files.is_done(key):
+            self.files.file(key).write(key, data, first_row)
+            with self._bar_lock:
+                self._bar.update(data.nbytes)
+
+    def write(self, key: str, t: np.ndarray) -> None:
+        """All of tensor `key` (`t` in the HF layout, any strides, the stored dtype)."""
+        if key in self.quantized:  # from the stored values, never through the export dtype
+            assert self.block is not None
+            b0 = self.block[0]
+            # A quarter block of float32 rows at a time: quantize_fp8 makes ~4 float32 copies.
+            for r0, r1 in row_ranges(t.shape, 4, common.BLOCK_BYTES // 4, align=b0):
+                q, scale_inv = quantize_fp8(np.asarray(t[r0:r1], np.float32), self.block)
+                self._put(key, q, r0)
+                self._put(key + SCALE_SUFFIX, scale_inv, r0 // b0)
+            for k in (key, key + SCALE_SUFFIX):
+                if not self.files.is_done(k):
+                    self.files.finished(k)
+            return
+        if t.dtype == self.dtype and t.flags.c_contiguous:
+            self._put(key, t, 0)
+        else:
+            for r0, r1 in row_ranges(t.shape, self.dtype.itemsize):
+                part = t[r0:r1] if t.ndim else t
+                buf = self._buffer(part.shape, self.dtype)
+                copy_into(buf, part)  # the cast and the transpose in one pass (tiled: see copy_into)
+                self._put(key, buf, r0)
+        self.files.finished(key)
+
+
+def stream_groups(reader: ParamsReader, todo: list[Group], tensor: TensorWriter,
+                  to_write: Callable[[str], bool], workers: int) -> None:
+    """Restores the groups in `todo` and writes their HF tensors, `workers` restores and `workers`
+    tensor writes at once: at most workers + 1 groups in memory (being restored, restored, or with
+    tensors still being written), each freed once its last tensor is written."""
+    slots = threading.Semaphore(workers + 1)
+    errors: list[BaseException] = []
+
+    def write_group(tree: dict, group: Group, pool: ThreadPoolExecutor) -> None:
+        jobs = []
+        fused = FusedJoin()  # a fused tensor's parts are in one group
+        for spec in group.specs:
+            for key, t in fused.add(spec, spec.to_hf(np.asarray(nest_get(tree, spec.path)))):
+                if to_write(key):
+                    jobs.append((key, t))
+        if not jobs:
+            slots.release()
+            return
+        left = [len(jobs)]
+        lock = threading.Lock()
+
+        def one(key: str, t: np.ndarray) -> None:
+            try:
+                tensor.write(key, t)
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread
+                errors.append(e)
+            finally:
+                with lock:
+                    left[0] -= 1
+                    last = left[0] == 0
+                if last:
+                    release_freed_memory()  # what TensorStore read the group into (see there)
+                    slots.release()  # the group's arrays are referenced by no job any more
+
+        for key, t in jobs:
+            pool.submit(one, key, t)
+
+    with (ThreadPoolExecutor(workers, thread_name_prefix="farskip-restore") as restores,
+          ThreadPoolExecutor(workers, thread_name_prefix="farskip-write") as writes):
+        ahead: collections.deque = collections.deque()
+        queue = iter(todo)
+        for group in todo:
+            # Restores ahead hold at most `workers` slots, so the one that frees up is always a
+            # group being written.
+            while len(ahead) < workers and (g := next(queue, None)) is not None:
+                slots.acquire()
+                if errors:
+                    raise errors[0]
+                ahead.append((g, restores.submit(reader.read, g)))
+            g, future = ahead.popleft()
+            assert g is group
+            write_group(future.result(), group, writes)
+            if errors:
+                raise errors[0]
+    if errors:
+        raise errors[0]
+
+
 def convert_orbax_to_hf(input_dir: str | Path, output_dir: str | Path, *, dtype: str | None = None,
                         overrides: dict[str, Any] | None = None, max_shard_size: str = "5GB",
                         dry_run: bool = False, overwrite: bool = False, progress: bool = True,
-                        resume: bool = False, fp8: bool = False,
+                        resume: bool = False, fp8: bool = False, workers: int = DEFAULT_WORKERS,
                         log: Callable[[str], None] = print) -> Summary:
     """A converted or training checkpoint -> HF safetensors shards + index + config.json.
 
@@ -307,8 +354,11 @@ def convert_orbax_to_hf(input_dir: str | Path, output_dir: str | Path, *, dtype:
     those of the HF checkpoint a converted directory came from (its config.json's
     quantization_config), else 128 x 128. Weights that came from FP8 and were kept in float32 are
     written back bitwise (`quantize_fp8`).
-    `resume`: continue an interrupted export of the same checkpoint with the same settings from the
-    first shard it had not finished; the result is bitwise the uninterrupted one."""
+    `resume`: continue an interrupted export of the same checkpoint with the same settings, writing
+    the shards it had not finished; the result is bitwise the uninterrupted one.
+    `workers`: groups restored ahead and tensors written at once (`stream_groups`); the files do not
+    depend on it."""
+    check_workers(workers)
     src, out = Path(input_dir), Path(output_dir)
     reader = ParamsReader(src, **(overrides or {}))
     out_dtype = parse_dtype(dtype) or reader.stored_dtype
@@ -343,57 +393,27 @@ def convert_orbax_to_hf(input_dir: str | Path, output_dir: str | Path, *, dtype:
     names = (["model.safetensors"] if n == 1
              else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
     weight_map = {k: names[i] for i, sh in enumerate(shards) for k, *_ in sh}
-    shard_of = {k: i for i, sh in enumerate(shards) for k, *_ in sh}
     plan = export_plan(src, out_dtype, overrides or {}, max_shard_size, block)
     with (atomic_output_dir(out, log, plan=plan, resume=resume) as tmp,
           progress_bar(total, "Orbax -> HF", progress) as bar):
-        first = shards_on_disk(tmp, names, shards)  # 0 unless resumed
-        # Groups whose tensors all lie in finished shards are not read again.
-        # An HF tensor still to write: it (or its FP8 scale, which may lie in the next shard) is in a
-        # shard the interrupted export did not finish.
-        to_write = lambda key: max(shard_of[key], shard_of.get(key + SCALE_SUFFIX, -1)) >= first
+        files = ShardSet(tmp, names, shards, shards_on_disk(tmp, names, shards))
+        # An HF tensor still to write: it (or its FP8 scale, which may lie in another shard) is in a
+        # shard the interrupted export did not finish. Groups with none are not read again.
+        to_write = lambda key: not (files.is_done(key) and files.is_done(key + SCALE_SUFFIX)
+                                    if key in quantized else files.is_done(key))
         todo = [g for g in groups if any(to_write(k) for k, _ in hf_entries(list(g.specs)))]
-        if first:
-            done_bytes = sum(shard_bytes(sh) for sh in shards[:first])
-            log(f"resuming {out}: {first} of {n} shards ({done_bytes / 1e9:.3f} GB) already written")
+        if files.done:
+            done_bytes = sum(shard_bytes(shards[i]) for i in files.done)
+            log(f"resuming {out}: {len(files.done)} of {n} shards ({done_bytes / 1e9:.3f} GB) already "
+                "written")
             bar.update(done_bytes)
-        shard_i = first
-        writer = ShardWriter(tmp / names[first], shards[first]) if first < n else None
-        # Restoring group i+1 (TensorStore's threads) overlaps writing group i: two groups in memory.
-        with ThreadPoolExecutor(1, thread_name_prefix="farskip-restore") as pool:
-            pending = pool.submit(reader.read, todo[0]) if todo else None
-            for gi, group in enumerate(todo):
-                bar.set_postfix_str(f"writing {group.name}")
-                tree = pending.result()
-                if gi + 1 < len(todo):
-                    pending = pool.submit(reader.read, todo[gi + 1])
-                fused = FusedJoin()  # a fused tensor's parts are in one group
-                for spec in group.specs:
-                    arr = np.asarray(nest_get(tree, spec.path))
-                    if block is None:
-                        arr = arr.astype(np_dtype(out_dtype), copy=False)
-                    for key, t in fused.add(spec, spec.to_hf(arr)):
-                        if not to_write(key):
-                            continue
-                        if key in quantized:  # from the stored values, never through out_dtype
-                            q, scale_inv = quantize_fp8(np.asarray(t, np.float32), block)
-                            parts = [(key, q), (key + SCALE_SUFFIX, scale_inv)]
-                        else:
-                            parts = [(key, t.astype(np_dtype(out_dtype), copy=False))]
-                        for name, data in parts:
-                            if shard_of[name] < first:
-                                continue
-                            if writer.done:
-                                writer.close()
-                                if shard_i == first:
-                                    pause_for_tests("shard")
-                                shard_i += 1
-                                writer = ShardWriter(tmp / names[shard_i], shards[shard_i])
-                            writer.write(name, data)
-                            bar.update(data.nbytes)
-                del tree
-        if writer is not None:
-            writer.close()
+        tensor = TensorWriter(files, out_dtype, block, quantized, bar)
+        try:
+            stream_groups(reader, todo, tensor, to_write, workers)
+        finally:
+            files.close()
+        if unfinished := [names[i] for i, left in files.left.items() if left]:
+            raise CheckpointError(f"internal error: shard(s) {unfinished[:3]} not complete after the export")
         if n > 1:
             (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                 indent=2) + "\n")

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from farskip_jax.config import Config, ModelConfig, from_dict, to_dict
+from farskip_jax.config import Config, ExecutionConfig, ModelConfig, from_dict, to_dict
 from farskip_jax.demo import task
 from farskip_jax.generation import PAD, Generator
 from farskip_jax.model import Transformer, with_farskip
@@ -72,26 +72,28 @@ def data_overrides(cfg: Config, paths: Mapping[str, Any]) -> dict[str, Any]:
 EOS_ID = task.SPECIALS.index("<eos>")  # the demo vocabulary starts with the special tokens
 
 
-_GENERATORS: dict[ModelConfig, Generator] = {}
+_GENERATORS: dict[tuple[ModelConfig, ExecutionConfig], Generator] = {}
 
 
-def _graph(mcfg: ModelConfig) -> nnx.GraphDef:
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(mcfg, nnx.Rngs(0))), nnx.Param)
+def _graph(mcfg: ModelConfig, exe: ExecutionConfig) -> nnx.GraphDef:
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(mcfg, nnx.Rngs(0), exe)), nnx.Param)
     return graphdef
 
 
-def _generator(mcfg: ModelConfig, params: nnx.State) -> Generator:
+def _generator(mcfg: ModelConfig, exe: ExecutionConfig, params: nnx.State) -> Generator:
     """One compiled Generator per connectivity (a new program only for a new graph), loaded with `params`."""
-    if mcfg not in _GENERATORS:
-        _GENERATORS[mcfg] = Generator(nnx.merge(_graph(mcfg), params))
-    gen = _GENERATORS[mcfg]
+    if (mcfg, exe) not in _GENERATORS:
+        _GENERATORS[(mcfg, exe)] = Generator(nnx.merge(_graph(mcfg, exe), params))
+    gen = _GENERATORS[(mcfg, exe)]
     gen.load(params)
     return gen
 
 
-def accuracy(mcfg: ModelConfig, params: nnx.State, test: dict[str, np.ndarray]) -> dict[str, float]:
-    """Greedy free-running decoding of the held-out prompts (`task.encode` rows): exact match of the
-    answer through EOS, and the share of gold answer tokens produced at their place."""
+def accuracy(mcfg: ModelConfig, params: nnx.State, test: dict[str, np.ndarray],
+             exe: ExecutionConfig = ExecutionConfig()) -> dict[str, float]:
+    """Greedy free-running decoding of the held-out prompts (`task.encode` rows) by the model `mcfg`
+    run as `exe` (the stage's execution section): exact match of the answer through EOS, and the
+    share of gold answer tokens produced at their place."""
     params = jax.tree.map(lambda x: jax.device_put(np.asarray(x, np.float32)), params)
     first_answer = np.argmax(test["loss_mask"], axis=1)  # the prompt ends where the loss starts
     lengths = test["segment_ids"].sum(axis=1)
@@ -101,7 +103,8 @@ def accuracy(mcfg: ModelConfig, params: nnx.State, test: dict[str, np.ndarray]) 
         prompts[i, :h] = test["input_ids"][i, :h]
         gold.append(test["targets"][i, h - 1 : n])  # the answer and its EOS
     width = max(map(len, gold))
-    out = _generator(mcfg, params).generate(prompts[:, : first_answer.max() + 1], width, eos_ids=[EOS_ID])
+    out = _generator(mcfg, exe, params).generate(prompts[:, : first_answer.max() + 1], width,
+                                                 eos_ids=[EOS_ID])
     exact, hits = [], 0
     for i, g in enumerate(gold):
         new = out[i, first_answer[i] + 1 : first_answer[i] + 1 + width]
@@ -207,7 +210,7 @@ def inspect_overlap(cfg_path: str, out: Path, seq_len: int, log: Callable[[str],
 
 
 def overlap_line(cmp: Mapping[str, Any]) -> str:
-    # the token exchange: a ragged all-to-all on GPU targets (model.ep_exchange auto), a dense one else
+    # the token exchange: a ragged all-to-all on GPU targets (execution.ep_exchange auto), a dense one else
     kind = next((k for k in ("ragged-all-to-all", "all-to-all") if k in cmp["groups"]), None)
     if kind is None:
         return f"no all-to-all in the compiled step (groups: {sorted(cmp['groups'])})"
@@ -237,14 +240,15 @@ def run_demo(cfg: Config, cfg_path: str | None = None, log: Callable[[str], None
     teacher = run_stage("teacher (regular, lm)", teacher_config(cfg, paths, out, seed), log)
     regular = with_farskip(teacher.cfg.model, **FARSKIP_OFF)
     farskip_all = converted(regular)
-    acc_teacher = accuracy(regular, teacher.params, test)
-    acc_conv = accuracy(farskip_all, teacher.params, test)
+    exe = teacher.cfg.execution
+    acc_teacher = accuracy(regular, teacher.params, test, exe)
+    acc_conv = accuracy(farskip_all, teacher.params, test, exe)
     log(f"[demo] teacher exact match {acc_teacher['exact_match']:.3f}; converted to FarSkip on all "
         f"{regular.num_layers} layers (same weights): {acc_conv['exact_match']:.3f}")
 
     student_cfg = student_config(cfg, paths, out, Path(teacher.cfg.train.output_dir), "fcsd", seed)
     student = run_stage("FCSD student (FarSkip, KL)", student_cfg, log)
-    acc_fcsd = accuracy(farskip_all, student.params, test)
+    acc_fcsd = accuracy(farskip_all, student.params, test, exe)
     drop = acc_teacher["exact_match"] - acc_conv["exact_match"]
     regained = acc_fcsd["exact_match"] - acc_conv["exact_match"]
     res: dict[str, Any] = {

@@ -272,10 +272,10 @@ def _build_parser() -> argparse.ArgumentParser:
                         "against a --seq-len latent cache")
     p.add_argument("--compare-regular", action="store_true",
                    help="also compile the same model with regular connectivity and compare (both at the "
-                        "config's model.batch_split); the same as --compare regular")
+                        "config's execution.batch_split); the same as --compare regular")
     p.add_argument("--compare", choices=("regular", "four"), default=None,
                    help="regular: as --compare-regular; four (train/fcsd): compile regular with "
-                        "model.batch_split=1 (the paper's baseline), regular + batch split, FarSkip and "
+                        "execution.batch_split=1 (the paper's baseline), regular + batch split, FarSkip and "
                         "FarSkip + batch split (the config's split, else 2) and tabulate them "
                         "(compare_four.md / .json, plus compare.md of the two split rows)")
     p.add_argument("--doc-len", type=int, default=None,
@@ -334,9 +334,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.compare == "four":
         if not ep:
-            raise UserError("--compare four needs --mode train or fcsd: model.batch_split splits the "
+            raise UserError("--compare four needs --mode train or fcsd: execution.batch_split splits the "
                             "expert-parallel step's sequences (tensor-parallel inference ignores it)")
-        four = steps.four_modes(cfg.model)
+        four = steps.four_modes(cfg)
         split = int(four[-1].rpartition("_bs")[2])
         if args.seqs_per_device % split:
             raise UserError(f"--compare four: batch split {split} does not divide --seqs-per-device "
@@ -354,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.compiler_option.append(PSUM_COMBINE_OPTION)
     tokens = (args.seqs_per_device * args.seq_len if ep else args.batch if args.mode == "decode"
               else args.batch * args.seq_len)
-    args.grouped_fill = (balanced_grouped_fill(cfg.model, mesh, ep, tokens, args.seq_len)
+    args.grouped_fill = (balanced_grouped_fill(cfg.model, cfg.execution, mesh, ep, tokens, args.seq_len)
                          if args.moe_load == "balanced" else 1.0)
     if args.mode == "train":
         build = steps.build_train_step(cfg, args.seqs_per_device, args.seq_len)
@@ -382,7 +382,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _useful_flops(cfg: Any, args: argparse.Namespace, ep: bool) -> Callable[[str], dict[str, Any]]:
     """mode -> the useful FLOPs of the step `main` compiles for it (``flops.step_flops``)."""
-    import dataclasses
     import math
 
     from farskip_jax.inspect import flops, steps
@@ -390,9 +389,8 @@ def _useful_flops(cfg: Any, args: argparse.Namespace, ep: bool) -> Callable[[str
     mesh = args.mesh
 
     def useful(mode: str) -> dict[str, Any]:
-        c = dataclasses.replace(cfg, model=steps.model_for(cfg.model, mode))
-        return flops.step_flops(c, args.mode, devices=math.prod(mesh.values()), seq_len=args.seq_len,
-                                seqs_per_device=args.seqs_per_device, batch=args.batch,
+        return flops.step_flops(steps.config_for(cfg, mode), args.mode, devices=math.prod(mesh.values()),
+                                seq_len=args.seq_len, seqs_per_device=args.seqs_per_device, batch=args.batch,
                                 doc_len=args.doc_len,
                                 batch_devices=mesh.get("data", 1) * mesh.get("expert", 1) if ep else None)
 

@@ -2,8 +2,11 @@
 
 `build_step(cfg, ...)` returns the `build_step(mesh, mode)` callback that `cli.run_inspect`
 wants, where mode is "farskip" or "regular" (the same model and parameters, connectivity on or
-off). Arguments are abstract (`jax.ShapeDtypeStruct` with shardings): nothing is allocated, so
-a DeepSeek-V2-Lite step compiles for 8 GPUs on a laptop.
+off) or, for `--compare four`, one of those at a given batch split. Each mode's run is
+`config_for(cfg, mode)`, which changes one section of the config only: `model.farskip` for the
+connectivity, `execution.batch_split` for the split, so that a comparison states what it changes.
+Arguments are abstract (`jax.ShapeDtypeStruct` with shardings): nothing is allocated, so a
+DeepSeek-V2-Lite step compiles for 8 GPUs on a laptop.
 """
 
 from __future__ import annotations
@@ -19,31 +22,37 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from farskip_jax.config import Config, ModelConfig
+from farskip_jax.config import Config, ExecutionConfig, ModelConfig
 from farskip_jax.model.transformer import Transformer, with_farskip
 from farskip_jax.parallel import param_specs_tree, replicate_kv_heads, tp_forward
 
 _SPLIT_MODE = re.compile(r"^(farskip|regular)_bs([1-9][0-9]*)$")
 
 
-def model_for(cfg: ModelConfig, mode: str) -> ModelConfig:
-    """The model a mode compiles: 'farskip' / 'regular' = the config with FarSkip on / off at its own
-    ``batch_split``; 'farskip_bsN' / 'regular_bsN' also set ``batch_split`` to N (``--compare four``:
-    regular_bs1 is the paper's baseline, one stream and regular connectivity)."""
+def config_for(cfg: Config, mode: str) -> Config:
+    """The run a mode compiles. 'farskip' / 'regular': `cfg` with FarSkip on / off, which changes
+    `model.farskip.enabled` and nothing else (the execution section, its batch split included, is
+    the config's own); 'farskip_bsN' / 'regular_bsN' (``--compare four``: regular_bs1 is the paper's
+    baseline, one stream and regular connectivity) also set `execution.batch_split` to N, which
+    changes nothing in the model."""
     m = _SPLIT_MODE.match(mode)
     if m:
-        return dataclasses.replace(model_for(cfg, m.group(1)), batch_split=int(m.group(2)))
+        run = config_for(cfg, m.group(1))
+        split = dataclasses.replace(run.execution, batch_split=int(m.group(2)))
+        return dataclasses.replace(run, execution=split)
     if mode == "regular":
-        return with_farskip(cfg, enabled=False)
+        return dataclasses.replace(cfg, model=with_farskip(cfg.model, enabled=False))
     if mode == "farskip":
-        return cfg if cfg.farskip.enabled else with_farskip(cfg, enabled=True)
+        return cfg if cfg.model.farskip.enabled else dataclasses.replace(cfg, model=with_farskip(cfg.model,
+                                                                                               enabled=True))
     raise ValueError(f"mode {mode!r}: expected 'farskip', 'regular', 'farskip_bsN' or 'regular_bsN'")
 
 
-def four_modes(cfg: ModelConfig) -> list[str]:
+def four_modes(cfg: Config) -> list[str]:
     """``--compare four``: the paper's baseline (regular, one stream), regular + batch split,
-    FarSkip, FarSkip + batch split; the split is the config's own when it has one, else 2."""
-    n = cfg.batch_split if cfg.batch_split > 1 else 2
+    FarSkip, FarSkip + batch split; the split is the config's own (`execution.batch_split`) when it
+    has one, else 2."""
+    n = cfg.execution.batch_split if cfg.execution.batch_split > 1 else 2
     return ["regular_bs1", f"regular_bs{n}", "farskip_bs1", f"farskip_bs{n}"]
 
 
@@ -51,8 +60,8 @@ def _abstract(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def _abstract_model(mcfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
-    model = nnx.eval_shape(lambda: Transformer(mcfg, nnx.Rngs(0)))
+def _abstract_model(mcfg: ModelConfig, exe: ExecutionConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    model = nnx.eval_shape(lambda: Transformer(mcfg, nnx.Rngs(0), exe))
     graphdef, state = nnx.split(model, nnx.Param)
     return graphdef, state
 
@@ -75,14 +84,13 @@ def build_fcsd_step(cfg: Config, seqs_per_device: int, seq_len: int
     optimizer and ZeRO-1 layouts of the trainer, ``train.grad_accum_steps`` micro-batches.
 
     The mode switches only the student's connectivity ('regular' = the same config with FarSkip
-    off); the teacher is regular either way. Its collectives are reported apart when the step traces
-    the teacher inside ``jax.named_scope("teacher")``.
+    off; `config_for`); the teacher is regular either way. Its collectives are reported apart when
+    the step traces the teacher inside ``jax.named_scope("teacher")``.
     """
     from farskip_jax.train.program import abstract_train_step
 
     def build(mesh: Mesh, mode: str):
-        student = dataclasses.replace(cfg, model=model_for(cfg.model, mode))
-        return abstract_train_step(student, mesh, seqs_per_device, seq_len)
+        return abstract_train_step(config_for(cfg, mode), mesh, seqs_per_device, seq_len)
 
     return build
 
@@ -93,8 +101,9 @@ def build_prefill_step(cfg: Config, batch: int, seq_len: int
     """Inference prefill in the TP layout (activations replicated, heads and experts split)."""
 
     def build(mesh: Mesh, mode: str):
-        mcfg = model_for(cfg.model, mode)
-        graphdef, params = _abstract_model(mcfg)
+        run = config_for(cfg, mode)
+        mcfg = run.model
+        graphdef, params = _abstract_model(mcfg, run.execution)
         params = replicate_kv_heads(params, mesh.shape["tensor"])
         specs = param_specs_tree(params, "tp")
         p_shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
@@ -118,8 +127,9 @@ def build_decode_step(cfg: Config, batch: int, cache_len: int
     from farskip_jax.parallel import tp_cached_forward
 
     def build(mesh: Mesh, mode: str):
-        mcfg = model_for(cfg.model, mode)
-        graphdef, params = _abstract_model(mcfg)
+        run = config_for(cfg, mode)
+        mcfg = run.model
+        graphdef, params = _abstract_model(mcfg, run.execution)
         params = replicate_kv_heads(params, mesh.shape["tensor"])
         specs = param_specs_tree(params, "tp")
         p_shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from farskip_jax import platforms
-from farskip_jax.config import ConfigError, ModelConfig
+from farskip_jax.config import ConfigError, ExecutionConfig, ModelConfig
 from farskip_jax.model import mla_decode
 from farskip_jax.model.attention_kernels import KERNELS, fused_kernel, kernel_attention
 from farskip_jax.model.flash import blockwise_attention
@@ -47,17 +47,17 @@ def reference_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshv: jax.Array,
 # head dims), the O(T^2) array this module avoids. `tokamax` masks by per-query document starts
 # instead (model/attention_kernels.py).
 CUDNN_UNSUPPORTED = (
-    "model.attention=cudnn is not supported for MLA: jax.nn.dot_product_attention needs the value "
+    "execution.attention=cudnn is not supported for MLA: jax.nn.dot_product_attention needs the value "
     "head dim to equal the query/key head dim (got {k} vs {v}) and cannot take segment ids without "
-    "a dense [T, T] mask; use model.attention=tokamax, blockwise (or auto)")
+    "a dense [T, T] mask; use execution.attention=tokamax, blockwise (or auto)")
 CUDNN_DENSE_MASK = (
-    "model.attention=cudnn is not supported: jax.nn.dot_product_attention takes no segment ids, so "
-    "packed documents would need a dense [T, T] mask; use model.attention=tokamax, blockwise (or auto)")
+    "execution.attention=cudnn is not supported: jax.nn.dot_product_attention takes no segment ids, so "
+    "packed documents would need a dense [T, T] mask; use execution.attention=tokamax, blockwise (or auto)")
 MODES = ("auto", "blockwise", "reference", "tokamax", "cudnn")
 
 
 def resolve_attention(mode: str, device: Any, dtype: Any, head_dims: tuple[int, int] = (0, 0)) -> str:
-    """The attention core that ModelConfig.attention `mode` means on `device` for `dtype` inputs:
+    """The attention core that ExecutionConfig.attention `mode` means on `device` for `dtype` inputs:
     "blockwise", "reference" or a fused kernel name of model/attention_kernels.py.
 
     `auto` is the fused kernel where one was compiled and checked for that device and dtype
@@ -71,15 +71,15 @@ def resolve_attention(mode: str, device: Any, dtype: Any, head_dims: tuple[int, 
         k, v = head_dims
         raise ConfigError(CUDNN_UNSUPPORTED.format(k=k, v=v) if k != v else CUDNN_DENSE_MASK)
     if mode not in MODES:
-        raise ConfigError(f"model.attention must be one of {', '.join(MODES)}, got {mode!r}")
+        raise ConfigError(f"execution.attention must be one of {', '.join(MODES)}, got {mode!r}")
     kernel = fused_kernel(device, dtype)
     if kernel is not None:
         return kernel
     if mode == "tokamax":
         kind = getattr(device, "device_kind", device)
-        raise ConfigError(f"model.attention=tokamax: no fused attention kernel was checked for {kind} with "
-                          f"{jnp.dtype(dtype).name} inputs (Mosaic GPU on Hopper, Pallas-Triton on MI300X, "
-                          "bf16/fp16 only); use model.attention=auto or blockwise")
+        raise ConfigError(f"execution.attention=tokamax: no fused attention kernel was checked for {kind} "
+                          f"with {jnp.dtype(dtype).name} inputs (Mosaic GPU on Hopper, Pallas-Triton on "
+                          "MI300X, bf16/fp16 only); use execution.attention=auto or blockwise")
     return "blockwise"
 
 
@@ -96,7 +96,7 @@ def _target_device() -> Any:
 
 def attention_core(q_bthk: jax.Array, k_bshk: jax.Array, v_bshv: jax.Array, segment_ids_bt: jax.Array,
                    scale: float, impl: str = "auto", block_q: int = 512, block_kv: int = 512) -> jax.Array:
-    """Causal, document-masked attention [B, T, H, V] by `impl` (ModelConfig.attention), resolved
+    """Causal, document-masked attention [B, T, H, V] by `impl` (ExecutionConfig.attention), resolved
     for the device being traced for (`platforms.target_device()`) by `resolve_attention`.
 
     k/v may carry G key/value heads for H query heads (G divides H; query head h reads key/value
@@ -119,7 +119,7 @@ def attention_core(q_bthk: jax.Array, k_bshk: jax.Array, v_bshv: jax.Array, segm
 
 def decode_kernel_family(impl: str, device: Any, dtype: Any) -> str | None:
     """The device family ("cuda" / "rocm") whose one-read MLA decode kernel `impl`
-    (ModelConfig.attention) means on `device`: where it resolves to a fused attention kernel (H200,
+    (ExecutionConfig.attention) means on `device`: where it resolves to a fused attention kernel (H200,
     MI300X; bf16 / fp16), else None (the einsums: CPU, fp32, blockwise / reference)."""
     core = resolve_attention(impl, device, dtype)
     return platforms.device_family(device) if core in ("mosaic_gpu", "pallas_triton") else None
@@ -164,8 +164,10 @@ LATENT_NORM_EPS = 1e-6
 
 
 class MLAttention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layer: int = 0):
-        """`layer` is unused: every MLA layer is alike (GQAttention's interface)."""
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layer: int = 0,
+                 exe: ExecutionConfig = ExecutionConfig()):
+        """`layer` is unused: every MLA layer is alike (GQAttention's interface). `exe`: how to run it
+        (the attention core and its blocks)."""
         del layer
         pd = DTYPES[cfg.param_dtype]
         d, h = cfg.hidden_size, cfg.num_heads
@@ -181,7 +183,7 @@ class MLAttention(nnx.Module):
         self.o_proj = normal_init(rngs, (h, cfg.v_head_dim, d), pd)
         if cfg.attn_output_gate:
             self.gate_proj = normal_init(rngs, (d, h, cfg.v_head_dim), pd)
-        self.cfg = cfg
+        self.cfg, self.exe = cfg, exe
 
     def _project(self, x_btd: jax.Array, positions_bt: jax.Array
                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -216,8 +218,8 @@ class MLAttention(nnx.Module):
             k_heads = jnp.broadcast_to(k_rope[:, :, None], k_nope.shape[:3] + k_rope.shape[-1:])
             k = jnp.concatenate([k_nope, k_heads], axis=-1)
         with jax.named_scope("core"):
-            out = attention_core(q, k, v, segment_ids_bt, softmax_scale(cfg), cfg.attention,
-                                 cfg.attention_block_q, cfg.attention_block_kv)
+            out = attention_core(q, k, v, segment_ids_bt, softmax_scale(cfg), self.exe.attention,
+                                 self.exe.attention_block_q, self.exe.attention_block_kv)
         with jax.named_scope("o_proj"):
             out = jnp.einsum("bthv,hvd->btd", self._gate(x_btd, out), self.o_proj[...].astype(dt))
         return out if cache is None else (out, cache.write(kv_lat, k_rope, positions_bt))
@@ -248,7 +250,7 @@ class MLAttention(nnx.Module):
             q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk)
         with jax.named_scope("core"):
             ctx = latent_decode_core(q_lat, q_rope, cache.latent, cache.k_rope, positions_bt,
-                                     softmax_scale(cfg), cfg.attention)
+                                     softmax_scale(cfg), self.exe.attention)
             out = jnp.einsum("bthc,chv->bthv", ctx, w_uv)
         with jax.named_scope("o_proj"):
             return jnp.einsum("bthv,hvd->btd", self._gate(x_btd, out), self.o_proj[...].astype(dt)), cache

@@ -16,7 +16,7 @@ block and above the diagonal. `document_starts` computes the starts. CONTRACT: a
 appears in two separate runs of a row is two documents here (`reference_attention` would join
 them); padding rows (id 0) attend causally among themselves, as in the reference.
 
-Kernels, chosen per target by `fused_kernel` (what `ModelConfig.attention: auto` uses):
+Kernels, chosen per target by `fused_kernel` (what `ExecutionConfig.attention: auto` uses):
 
 - "mosaic_gpu" (Hopper, sm_90: H100 / H200): tokamax's Pallas Mosaic GPU flash attention and its
   own backward kernels (one custom call `mosaic_gpu_v2` forward, two backward: dq and dk/dv). It

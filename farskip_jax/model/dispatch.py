@@ -5,8 +5,9 @@ R rows of an expert-sorted buffer, G groups (the experts a grouped GEMM runs), C
 of the padded buffer, S sequences.
 
 One implementation for every path (one device here, expert and tensor parallel in
-farskip_jax.parallel.expert and farskip_jax.parallel.tensor):
-  1. `drop_over_capacity`: with capacity_factor > 0, each (sequence, expert) keeps its
+farskip_jax.parallel.expert and farskip_jax.parallel.tensor). Functions that read how the model runs
+(capacity, buffer factor) take the `ExecutionConfig` (`exe`) beside the `ModelConfig` (`cfg`).
+  1. `drop_over_capacity`: with execution.capacity_factor > 0, each (sequence, expert) keeps its
      highest-router-weight assignments; dropped ones get the sentinel id E.
   2. `sort_by_group`: stable argsort of the assignments by expert id; group boundaries come from
      the sorted ids (a segment count, no [A, E] one-hot); the inverse permutation is an int scatter.
@@ -26,7 +27,7 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from farskip_jax.config import ModelConfig
+from farskip_jax.config import ExecutionConfig, ModelConfig
 from farskip_jax.model import schedule
 from farskip_jax.model.grouped_matmul import blocked_matmul, tokamax_ragged_dot
 from farskip_jax.platforms import device_family
@@ -34,7 +35,7 @@ from farskip_jax.platforms import device_family
 ExpertMatmul = Literal["ragged", "tokamax", "padded", "blocked"]
 
 # checkpoint_name tags of the expert-parallel all-to-all outputs (parallel/expert.py);
-# remat="save_a2a" (model/transformer.py) saves exactly these.
+# execution.remat="save_a2a" (model/transformer.py) saves exactly these.
 A2A_COUNTS, A2A_DISPATCH, A2A_COMBINE = "a2a_counts", "a2a_dispatch", "a2a_combine"
 A2A_NAMES = (A2A_COUNTS, A2A_DISPATCH, A2A_COMBINE)
 
@@ -72,7 +73,8 @@ class MoeBuffer(NamedTuple):
         return self.rows < self.worst
 
 
-def moe_buffer(cfg: ModelConfig, tokens: int, ranks: int, seq_len: int, sources: int = 1) -> MoeBuffer:
+def moe_buffer(cfg: ModelConfig, exe: ExecutionConfig, tokens: int, ranks: int, seq_len: int,
+               sources: int = 1) -> MoeBuffer:
     """The rows a rank's routed-expert buffer needs for `sources` senders of `tokens` tokens each, when
     the `cfg.n_routed_experts` experts are split over `ranks` ranks (the one place that sizes them:
     expert and tensor parallelism, the inspector's cost model).
@@ -82,32 +84,32 @@ def moe_buffer(cfg: ModelConfig, tokens: int, ranks: int, seq_len: int, sources:
     parallelism: every rank sees the same `tokens` (`sources` = 1). Worst case: a token's K experts are
     distinct, so at most min(K, L) of its rows reach one rank, and with a capacity each local expert
     takes at most `rows_per_expert`. Balanced: tokens * K / ranks per source. The bound is
-    `cfg.moe_buffer_factor` x balanced, rounded up to 8 rows, capped by the worst case (factor 0: the
+    `exe.moe_buffer_factor` x balanced, rounded up to 8 rows, capped by the worst case (factor 0: the
     worst case).
     """
     k, local = cfg.num_experts_per_tok, cfg.n_routed_experts // ranks
-    worst = sources * min(tokens * min(k, local), local * rows_per_expert(tokens, seq_len, cfg))
-    return bounded_buffer(cfg, sources * tokens * k / ranks, worst)
+    worst = sources * min(tokens * min(k, local), local * rows_per_expert(tokens, seq_len, cfg, exe))
+    return bounded_buffer(exe, sources * tokens * k / ranks, worst)
 
 
-def bounded_buffer(cfg: ModelConfig, balanced: float, worst: int) -> MoeBuffer:
-    """`cfg.moe_buffer_factor` x `balanced` rows, rounded up to 8, at most `worst` (factor 0: `worst`):
+def bounded_buffer(exe: ExecutionConfig, balanced: float, worst: int) -> MoeBuffer:
+    """`exe.moe_buffer_factor` x `balanced` rows, rounded up to 8, at most `worst` (factor 0: `worst`):
     the sizing rule of every bounded routed-expert buffer (`moe_buffer`, and the node-aware
     exchange's stages in parallel/node_aware.py)."""
-    if cfg.moe_buffer_factor <= 0:
+    if exe.moe_buffer_factor <= 0:
         return MoeBuffer(worst, worst, balanced)
-    bound = 8 * math.ceil(math.ceil(cfg.moe_buffer_factor * balanced) / 8)
+    bound = 8 * math.ceil(math.ceil(exe.moe_buffer_factor * balanced) / 8)
     return MoeBuffer(min(worst, bound), worst, balanced)
 
 
-def buffer_config(cfg: ModelConfig, bounded: bool) -> ModelConfig:
-    """`cfg` as a parallel strategy sizes its routed-expert buffers: its own `moe_buffer_factor`
+def buffer_config(exe: ExecutionConfig, bounded: bool) -> ExecutionConfig:
+    """`exe` as a parallel strategy sizes its routed-expert buffers: its own `moe_buffer_factor`
     (bounded), or the worst case (the program an overflowed call is re-run with)."""
-    return cfg if bounded or cfg.moe_buffer_factor == 0 else dataclasses.replace(cfg, moe_buffer_factor=0.0)
+    return exe if bounded or exe.moe_buffer_factor == 0 else dataclasses.replace(exe, moe_buffer_factor=0.0)
 
 
-def balanced_grouped_fill(cfg: ModelConfig, mesh: dict[str, int], expert_parallel: bool, tokens: int,
-                          seq_len: int) -> float:
+def balanced_grouped_fill(cfg: ModelConfig, exe: ExecutionConfig, mesh: dict[str, int], expert_parallel: bool,
+                          tokens: int, seq_len: int) -> float:
     """The fraction of a grouped GEMM's static rows that hold tokens when routing is balanced.
 
     ``tokens``: per device under expert parallelism (``expert_parallel``), per TP group otherwise.
@@ -117,25 +119,26 @@ def balanced_grouped_fill(cfg: ModelConfig, mesh: dict[str, int], expert_paralle
     """
     if expert_parallel:
         g = mesh.get("expert", 1)
-        buf = moe_buffer(cfg, tokens, g, seq_len, sources=g)
+        buf = moe_buffer(cfg, exe, tokens, g, seq_len, sources=g)
         return min(1.0, buf.balanced / buf.rows)
     g = mesh.get("tensor", 1)
-    buf = moe_buffer(cfg, tokens, g, seq_len)
+    buf = moe_buffer(cfg, exe, tokens, g, seq_len)
     rows = buf.rows if buf.bounded else tokens * cfg.num_experts_per_tok
     return min(1.0, buf.balanced / rows)
 
 
-def expert_capacity(seq_len: int, cfg: ModelConfig) -> int:
-    """Assignments each expert keeps per sequence: ceil(cf * T * K / E); 0 means dropless."""
-    if cfg.capacity_factor <= 0:
+def expert_capacity(seq_len: int, cfg: ModelConfig, exe: ExecutionConfig) -> int:
+    """Assignments each expert keeps per sequence: ceil(cf * T * K / E) with cf =
+    `exe.capacity_factor`; 0 means dropless."""
+    if exe.capacity_factor <= 0:
         return 0
-    c = math.ceil(cfg.capacity_factor * seq_len * cfg.num_experts_per_tok / cfg.n_routed_experts)
+    c = math.ceil(exe.capacity_factor * seq_len * cfg.num_experts_per_tok / cfg.n_routed_experts)
     return max(1, min(c, seq_len))  # an expert sees each token at most once
 
 
-def rows_per_expert(num_tokens: int, seq_len: int, cfg: ModelConfig) -> int:
+def rows_per_expert(num_tokens: int, seq_len: int, cfg: ModelConfig, exe: ExecutionConfig) -> int:
     """Most rows `num_tokens` tokens (whole sequences) can send one expert: the padded buffer's C."""
-    cap = expert_capacity(seq_len, cfg)
+    cap = expert_capacity(seq_len, cfg, exe)
     return num_tokens if cap == 0 else (num_tokens // seq_len) * cap
 
 
@@ -161,10 +164,10 @@ def capacity_keep(experts_nk: jax.Array, weights_nk: jax.Array, seq_len: int, ca
     return keep_sa.reshape(n, k)
 
 
-def drop_over_capacity(experts_nk: jax.Array, weights_nk: jax.Array, seq_len: int,
-                       cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+def drop_over_capacity(experts_nk: jax.Array, weights_nk: jax.Array, seq_len: int, cfg: ModelConfig,
+                       exe: ExecutionConfig) -> tuple[jax.Array, jax.Array]:
     """(expert ids with dropped assignments set to E, this shard's dropped fraction)."""
-    cap = expert_capacity(seq_len, cfg)
+    cap = expert_capacity(seq_len, cfg, exe)
     if cap == 0:
         return experts_nk, jnp.zeros((), jnp.float32)
     if experts_nk.shape[0] % seq_len:

@@ -50,7 +50,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from farskip_jax.config import ModelConfig
+from farskip_jax.config import ExecutionConfig, ModelConfig
 from farskip_jax.model import schedule
 
 
@@ -59,7 +59,8 @@ class Connectivity(NamedTuple):
     mlp_stale: bool  # the FFN reads x: it need not wait for this layer's attention
     stale_blocks: int = 1  # 2: the experimental two-sub-block ladder (module docstring)
     # Under tensor parallelism, order the sub-blocks with optimization barriers so that each psum
-    # has the compute it may overlap scheduled under it (`schedule.join`; ModelConfig.tp_order_barriers).
+    # has the compute it may overlap scheduled under it (`schedule.join`;
+    # ExecutionConfig.tp_order_barriers).
     # Why: XLA's latency-hiding scheduler estimates a psum at a fraction of its transfer time (on
     # H200 it puts ~20 us of compute under a 16 MiB psum that the link model puts at 70 us) and
     # keeps one collective in flight, so left alone it starts each psum just before its reader
@@ -72,11 +73,12 @@ class Connectivity(NamedTuple):
 REGULAR = Connectivity(False, False)
 
 
-def layer_connectivity(cfg: ModelConfig) -> list[Connectivity]:
-    """Per-layer connectivity from `cfg.farskip` (range, first/last N, attn-/mlp-only, staleness)."""
+def layer_connectivity(cfg: ModelConfig, exe: ExecutionConfig = ExecutionConfig()) -> list[Connectivity]:
+    """Per-layer connectivity from `cfg.farskip` (range, first/last N, attn-/mlp-only, staleness),
+    with `exe.tp_order_barriers` on the FarSkip layers."""
     fs = cfg.farskip
     on = Connectivity(attn_stale=not fs.mlp_only, mlp_stale=not fs.attn_only, stale_blocks=fs.stale_blocks,
-                      tp_ordered=cfg.tp_order_barriers)
+                      tp_ordered=exe.tp_order_barriers)
     in_range = set(fs.layer_range(cfg.num_layers))
     return [on if i in in_range else REGULAR for i in range(cfg.num_layers)]
 

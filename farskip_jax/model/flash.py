@@ -24,7 +24,7 @@ commit that made this split, without / with the TP order barriers of model/farsk
   with the first ready ops until its (low) estimate of the transfer is covered; one node carrying
   the whole core fills it: 97.9% of all-to-all time hidden, vs 76.2% with the query-block chains.
 
-Where it runs: `ModelConfig.attention: auto` resolves to tokamax's fused kernels on the GPUs they
+Where it runs: `ExecutionConfig.attention: auto` resolves to tokamax's fused kernels on the GPUs they
 were checked for (model/attention_kernels.py: Mosaic GPU on Hopper, Pallas-Triton on MI300X, bf16 /
 fp16) and to this module everywhere else: the CPU (always), other GPUs, fp32. It is also the
 O(T)-memory fallback (`attention: blockwise`) and, with `reference_attention`, what the kernel

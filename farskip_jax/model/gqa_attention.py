@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from farskip_jax.config import ConfigError, ModelConfig
+from farskip_jax.config import ConfigError, ExecutionConfig, ModelConfig
 from farskip_jax.model.attention import CUDNN_DENSE_MASK, attention_core
 from farskip_jax.model.layers import DTYPES, RMSNorm, apply_rope, normal_init, rope_tables, softmax_scale
 
@@ -64,9 +64,11 @@ def rms_unit(x: jax.Array, eps: float) -> jax.Array:
 
 
 class GQAttention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layer: int = 0):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layer: int = 0,
+                 exe: ExecutionConfig = ExecutionConfig()):
         """`layer`: this layer's index, which decides Llama-4's per-layer features (RoPE or NoPE,
-        chunked or full, q/k norm, temperature tuning; `ModelConfig.uses_rope`, `chunked_layer`)."""
+        chunked or full, q/k norm, temperature tuning; `ModelConfig.uses_rope`, `chunked_layer`).
+        `exe`: how to run it (the attention core and its blocks)."""
         pd = DTYPES[cfg.param_dtype]
         d, h, g, k = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.attn_head_dim
         self.q_proj = normal_init(rngs, (d, h, k), pd)
@@ -81,9 +83,9 @@ class GQAttention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(k, cfg.rms_norm_eps, pd)
             self.k_norm = RMSNorm(k, cfg.rms_norm_eps, pd)
-        if cfg.attention == "cudnn":
+        if exe.attention == "cudnn":
             raise ConfigError(CUDNN_DENSE_MASK)
-        self.cfg = cfg
+        self.cfg, self.exe = cfg, exe
         self.use_rope = cfg.uses_rope(layer)
         self.chunk = cfg.attention_chunk_size if cfg.chunked_layer(layer) else None
         self.unit_qk_norm = cfg.qk_norm_after_rope and self.use_rope
@@ -130,8 +132,8 @@ class GQAttention(nnx.Module):
         with jax.named_scope("core"):
             # The G key/value heads go in as they are: the fused kernels read head h // (H / G) for
             # query head h (HF's repeat_kv order); blockwise and reference repeat them there.
-            ctx = attention_core(q, k, v, segment_ids_bt, softmax_scale(cfg), cfg.attention,
-                                 cfg.attention_block_q, cfg.attention_block_kv)
+            ctx = attention_core(q, k, v, segment_ids_bt, softmax_scale(cfg), self.exe.attention,
+                                 self.exe.attention_block_q, self.exe.attention_block_kv)
         with jax.named_scope("o_proj"):
             out = self._out(ctx)
         return out if cache is None else (out, cache.write(k, v, positions_bt))

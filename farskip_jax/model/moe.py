@@ -10,6 +10,7 @@ expert- and tensor-parallel paths (`farskip_jax.parallel`) use the same dispatch
 their collectives. A `routed_fn` bound to an object with a `routed_with_shared` method (see
 `SharedScheduler`) is handed the shared experts too, to place them where they hide its
 communication (expert parallelism: under the Dispatch). Nothing in this file names a mesh axis.
+A `routed_fn` gets the `ExecutionConfig` beside the `ModelConfig` (capacity, buffers, GEMM kernel).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from farskip_jax.config import ModelConfig
+from farskip_jax.config import ExecutionConfig, ModelConfig
 from farskip_jax.model.dispatch import drop_over_capacity, resolve_matmul, routed_experts, rows_per_expert
 from farskip_jax.model.layers import DTYPES, MLP, normal_init
 from farskip_jax.platforms import target_device
@@ -116,7 +117,8 @@ class RoutedExperts(nnx.Module):
 
 # (routed [N, D], aux): aux holds "dropped_fraction" (capacity drops) and "moe_overflow" (int32, > 0
 # when a bounded buffer overflowed and the routed output is void; dispatch.moe_buffer).
-RoutedFn = Callable[[jax.Array, Routing, RoutedExperts, ModelConfig], tuple[jax.Array, dict[str, jax.Array]]]
+RoutedFn = Callable[[jax.Array, Routing, RoutedExperts, ModelConfig, ExecutionConfig],
+                    tuple[jax.Array, dict[str, jax.Array]]]
 SharedFn = Callable[[jax.Array], jax.Array]  # shared experts: [N, D] -> [N, D]
 
 
@@ -124,22 +126,22 @@ class SharedScheduler(Protocol):
     """Owner of a `routed_fn` that also runs the shared experts, wherever they hide its collectives."""
 
     def routed_with_shared(self, x_nd: jax.Array, routing: Routing, experts: RoutedExperts, cfg: ModelConfig,
-                           shared_fn: SharedFn | None
+                           exe: ExecutionConfig, shared_fn: SharedFn | None
                            ) -> tuple[jax.Array, dict[str, jax.Array], jax.Array | None]:
         """(routed [N, D], aux as a RoutedFn's, shared_fn(x_nd) or None)."""
         ...
 
 
-def local_routed(x_nd: jax.Array, routing: Routing, experts: RoutedExperts,
-                 cfg: ModelConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+def local_routed(x_nd: jax.Array, routing: Routing, experts: RoutedExperts, cfg: ModelConfig,
+                 exe: ExecutionConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
     """All experts on this device: sort, grouped matmul, un-sort. Returns (routed [N, D], aux). The
     sorted rows are exactly the N*K assignments, so nothing can overflow."""
-    ids_nk, dropped = drop_over_capacity(routing.experts_nk, routing.weights_nk, routing.seq_len, cfg)
+    ids_nk, dropped = drop_over_capacity(routing.experts_nk, routing.weights_nk, routing.seq_len, cfg, exe)
     with jax.named_scope("experts"):
         routed = routed_experts(x_nd, ids_nk, routing.weights_nk, experts.w_gate[...], experts.w_up[...],
                                 experts.w_down[...],
-                                resolve_matmul(cfg.expert_matmul, target_device(), cfg.dtype),
-                                rows_per_expert(x_nd.shape[0], routing.seq_len, cfg))
+                                resolve_matmul(exe.expert_matmul, target_device(), cfg.dtype),
+                                rows_per_expert(x_nd.shape[0], routing.seq_len, cfg, exe))
     return routed, {"dropped_fraction": dropped, "moe_overflow": jnp.zeros((), jnp.int32)}
 
 
@@ -166,7 +168,7 @@ FLOAT32_READS = ("router", "router_bias")
 
 
 class MoE(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, exe: ExecutionConfig = ExecutionConfig()):
         self.router = normal_init(rngs, (cfg.hidden_size, cfg.n_routed_experts), DTYPES[cfg.param_dtype])
         if cfg.router_bias:
             # An nnx.Param so that every Param-filtered path (trainer state, checkpoints, converters)
@@ -176,7 +178,7 @@ class MoE(nnx.Module):
         self.experts = RoutedExperts(cfg, rngs)
         self.shared = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg, rngs)
                        if cfg.n_shared_experts > 0 else None)
-        self.cfg = cfg
+        self.cfg, self.exe = cfg, exe
 
     def __call__(self, x_btd: jax.Array, routed_fn: RoutedFn = local_routed
                  ) -> tuple[jax.Array | None, jax.Array, dict[str, jax.Array]]:
@@ -203,9 +205,9 @@ class MoE(nnx.Module):
         scheduler = getattr(routed_fn, "__self__", None)
         if shared_fn is not None and hasattr(scheduler, "routed_with_shared"):
             routed, routed_aux, shared = scheduler.routed_with_shared(routed_in, routed_routing, self.experts,
-                                                                      routed_cfg, shared_fn)
+                                                                      routed_cfg, self.exe, shared_fn)
         else:
-            routed, routed_aux = routed_fn(routed_in, routed_routing, self.experts, routed_cfg)
+            routed, routed_aux = routed_fn(routed_in, routed_routing, self.experts, routed_cfg, self.exe)
             shared = None if shared_fn is None else shared_fn(x_nd)
         if self.cfg.expert_input_scaling:  # the K assignments of a token back together
             routed = jnp.sum(routed.reshape(b * t, self.cfg.num_experts_per_tok, d).astype(jnp.float32),

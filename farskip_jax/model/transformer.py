@@ -2,6 +2,10 @@
 `residual_step`, final norm, LM head. The attention module comes from `ModelConfig.attention_kind`
 (`attention_module`).
 
+Every module takes what to compute (`cfg: ModelConfig`) and how to run it (`exe: ExecutionConfig`,
+default `ExecutionConfig()`) apart; `exe` changes no parameter, only the program (kernels, remat,
+splits, buffers), so two models that differ in `exe` share one parameter tree.
+
 Shape legend: B batch, T tokens, D model width, V vocabulary.
 """
 
@@ -17,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from farskip_jax.config import ModelConfig
+from farskip_jax.config import ExecutionConfig, ModelConfig
 from farskip_jax.model import schedule
 from farskip_jax.model.attention import LatentCache, MLAttention
 from farskip_jax.model.dispatch import A2A_COUNTS, A2A_NAMES
@@ -38,7 +42,7 @@ from farskip_jax.model.moe import MoE, RoutedFn, local_routed
 
 class Parallelism(Protocol):
     """What a sharded execution plugs into the model (see farskip_jax.parallel); one that splits the
-    batch over devices also says over how many (`batch_shards`, read by `model.batch_split`)."""
+    batch over devices also says over how many (`batch_shards`, read by `execution.batch_split`)."""
 
     routed_fn: RoutedFn
     reduce: ReduceFn | None
@@ -63,16 +67,16 @@ def empty_cache(cfg: ModelConfig, batch: int, slots: int, dtype: jnp.dtype,
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, idx: int, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, idx: int, rngs: nnx.Rngs, exe: ExecutionConfig = ExecutionConfig()):
         pd = DTYPES[cfg.param_dtype]
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
-        self.attn = attention_module(cfg)(cfg, rngs, layer=idx)
+        self.attn = attention_module(cfg)(cfg, rngs, layer=idx, exe=exe)
         self.is_moe = cfg.is_moe_layer(idx)
-        self.tp_order_barriers = cfg.tp_order_barriers
-        self.batch_split_stagger = cfg.batch_split_stagger
+        self.tp_order_barriers = exe.tp_order_barriers
+        self.batch_split_stagger = exe.batch_split_stagger
         if self.is_moe:
-            self.moe = MoE(cfg, rngs)
+            self.moe = MoE(cfg, rngs, exe=exe)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg, rngs)
 
@@ -145,23 +149,25 @@ def overflow_flag(counts: Any) -> jax.Array:
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, exe: ExecutionConfig = ExecutionConfig()):
+        """The model `cfg` run as `exe` says (the parameters depend on `cfg` only)."""
         cfg.validate()
+        exe.validate()
         pd = DTYPES[cfg.param_dtype]
-        self.cfg = cfg
+        self.cfg, self.exe = cfg, exe
         self.embed = normal_init(rngs, (cfg.vocab_size, cfg.hidden_size), pd)
-        self.layers = nnx.List([DecoderLayer(cfg, i, rngs) for i in range(cfg.num_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs, exe) for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
         if not cfg.tie_word_embeddings:
             self.lm_head = normal_init(rngs, (cfg.hidden_size, cfg.vocab_size), pd)
 
     def connectivity(self) -> list[Connectivity]:
-        return layer_connectivity(self.cfg)
+        return layer_connectivity(self.cfg, self.exe)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, *, parallel: Parallelism | None = None,
                  compute_logits: bool = True, layer_loop: str | None = None) -> ModelOutput:
-        """`layer_loop` (default `cfg.layer_loop`) "scan": equal consecutive layers run under one
+        """`layer_loop` (default `exe.layer_loop`) "scan": equal consecutive layers run under one
         `lax.scan` (`_scan_layers`)."""
         return run_streams([self.stream(input_ids, positions, segment_ids, parallel=parallel,
                                         compute_logits=compute_logits, layer_loop=layer_loop)], join=False)[0]
@@ -173,10 +179,10 @@ class Transformer(nnx.Module):
         """The forward pass as a generator: after each layer (group) it yields the residual stream
         (x, y) and continues with the value sent back, and returns the ModelOutput (`run_streams`
         drives one or several models)."""
-        layer_loop = layer_loop or self.cfg.layer_loop
+        layer_loop = layer_loop or self.exe.layer_loop
         if layer_loop not in ("unrolled", "scan"):
             raise ValueError(f"layer_loop={layer_loop!r}: expected 'unrolled' or 'scan'")
-        cfg = self.cfg
+        cfg, exe = self.cfg, self.exe
         dt = DTYPES[cfg.dtype]
         b, t = input_ids.shape
         if positions is None:
@@ -190,22 +196,23 @@ class Transformer(nnx.Module):
         y = None
         # Tensor-parallel token chunks: the stream is carried as a list of chunks through every layer,
         # so that a chunk's next layer reads only its own psums (farskip.residual_step_chunks).
-        chunks = cfg.tp_microbatches if reduce is not None else 1
+        chunks = exe.tp_microbatches if reduce is not None else 1
         if chunks > 1:
             if t % chunks:
-                raise ValueError(f"model.tp_microbatches={chunks} does not divide {t} tokens per sequence")
+                raise ValueError(f"execution.tp_microbatches={chunks} does not divide {t} tokens per "
+                                 "sequence")
             # Materialised apart (a barrier): XLA would otherwise fuse the slice that starts chunk 1
             # into the residual add after chunk 0's first psum, making chunk 1 wait for that psum.
             x, y = list(schedule.join(*jnp.split(x, chunks, axis=1))), [None] * chunks
             join = _concat
         # Batch chunks (single device, expert parallelism): whole sequences, positions and segments
         # with them; each device's sequences are split, so a chunk stays on its devices.
-        elif reduce is None and cfg.batch_split > 1:
-            chunks = cfg.batch_split
+        elif reduce is None and exe.batch_split > 1:
+            chunks = exe.batch_split
             shards = getattr(parallel, "batch_shards", 1)
             if b % (shards * chunks):
-                raise ValueError(f"model.batch_split={chunks} does not divide the {b // shards} sequences "
-                                 f"per device ({b} sequences over {shards} devices)")
+                raise ValueError(f"execution.batch_split={chunks} does not divide the {b // shards} "
+                                 f"sequences per device ({b} sequences over {shards} devices)")
             x, positions, segment_ids = (_split_batch(v, chunks, shards) for v in (x, positions, segment_ids))
             y = [None] * chunks
             join = functools.partial(_join_batch, shards=shards)
@@ -217,12 +224,12 @@ class Transformer(nnx.Module):
             if len(group) == 1:
                 i = group[0]
                 with jax.named_scope(f"layer_{i}"):
-                    x, y, aux = _maybe_remat(self.layers[i], cfg.remat)(x, y, positions, segment_ids,
+                    x, y, aux = _maybe_remat(self.layers[i], exe.remat)(x, y, positions, segment_ids,
                                                                         conns[i], routed_fn, reduce)
                 xs: list[jax.Array] = [join(x) if chunks > 1 else x]
             else:
                 with jax.named_scope(f"layers_{group[0]}_{group[-1]}"):
-                    x, y, xs, aux = _scan_layers([self.layers[i] for i in group], conns[group[0]], cfg.remat,
+                    x, y, xs, aux = _scan_layers([self.layers[i] for i in group], conns[group[0]], exe.remat,
                                                  x, y, positions, segment_ids, routed_fn, reduce)
             for k, v in aux.items():
                 aux_sum[k] = aux_sum.get(k, 0.0) + v
@@ -404,9 +411,9 @@ def _scan_layers(layers: list[DecoderLayer], conn: Connectivity, remat: str, x: 
     return x, (y if two_streams else None), list(xs), {k: jnp.sum(v, axis=0) for k, v in aux.items()}
 
 
-def build_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
-    """A randomly initialised model (std 0.02 normal weights, unit norms)."""
-    return Transformer(cfg, nnx.Rngs(params=seed))
+def build_model(cfg: ModelConfig, seed: int = 0, exe: ExecutionConfig = ExecutionConfig()) -> Transformer:
+    """A randomly initialised model (std 0.02 normal weights, unit norms), run as `exe` says."""
+    return Transformer(cfg, nnx.Rngs(params=seed), exe)
 
 
 def with_farskip(cfg: ModelConfig, **farskip: Any) -> ModelConfig:

@@ -22,14 +22,14 @@ count). Everything after the exchange reads the receive layout through one regro
 sorted it to, so a source receives its own N*K rows, not a receive buffer; Dispatch and Combine are
 each other's transpose, and the backward pass runs them as such (`_ragged_move`).
 
-Optimistic dropless: R and B come from `dispatch.moe_buffer` (`model.moe_buffer_factor` x what
+Optimistic dropless: R and B come from `dispatch.moe_buffer` (`execution.moe_buffer_factor` x what
 balanced routing delivers, not the worst case of every peer sending all of its rows to one rank:
 8x that at EP=8). The counts exchange is one all_gather of every rank's per-(destination, local
 expert) counts, so every rank of the group knows every rank's load, where its rows land in each
 packed receive buffer, and whether any buffer would overflow. On an overflow nothing is exchanged
 (the counts are taken as 0, so no rank writes past a buffer) and the shard reports it
 (`moe_overflow`); the caller discards that result and runs the worst-case program
-(`moe_buffer_factor` 0), so every result it keeps is exactly the dropless one.
+(`execution.moe_buffer_factor` 0), so every result it keeps is exactly the dropless one.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from jax.experimental.xla_metadata import set_xla_metadata
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from farskip_jax.config import ModelConfig
+from farskip_jax.config import ExecutionConfig, ModelConfig
 from farskip_jax.model import schedule
 from farskip_jax.model.dispatch import (
     A2A_COMBINE,
@@ -71,7 +71,8 @@ from farskip_jax.xla.costs import BALANCED_ROWS_ATTR
 
 
 def resolve_exchange(mode: str, mesh: Mesh) -> str:
-    """ep_exchange "auto": ragged on GPU meshes (deviceless GPU devices say "gpu" too), padded elsewhere."""
+    """execution.ep_exchange "auto": ragged on GPU meshes (deviceless GPU devices say "gpu" too), padded
+    elsewhere."""
     if mode == "auto":
         return "padded" if device_family(mesh.devices.flat[0]) == "cpu" else "ragged"
     if mode not in ("ragged", "padded"):
@@ -83,7 +84,7 @@ def resolve_exchange(mode: str, mesh: Mesh) -> str:
 class ExpertParallel:
     """Routed experts split over the mesh's `expert` axis, tokens over (data, expert).
 
-    `bounded`: receive buffers sized by `model.moe_buffer_factor` (may overflow, then the result says
+    `bounded`: receive buffers sized by `execution.moe_buffer_factor` (may overflow, then the result says
     so); False: the worst case (`worst_case()`), which never overflows. `expert_per_node`
     (`mesh.expert_per_node`): 0, or at least `expert`, is the flat exchange; a divisor of `expert`
     factors it into nodes of that many ranks and runs the two-stage exchange of
@@ -110,16 +111,16 @@ class ExpertParallel:
 
     @property
     def batch_shards(self) -> int:
-        """Devices the batch axis is split over (the model's `batch_split` chunks each device's part)."""
+        """Devices the batch axis is split over (`execution.batch_split` chunks each device's part)."""
         return self.mesh.shape["data"] * self.mesh.shape["expert"]
 
-    def routed_fn(self, x_nd: jax.Array, routing: Routing, experts: RoutedExperts,
-                  cfg: ModelConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
-        routed, aux, _ = self.routed_with_shared(x_nd, routing, experts, cfg, None)
+    def routed_fn(self, x_nd: jax.Array, routing: Routing, experts: RoutedExperts, cfg: ModelConfig,
+                  exe: ExecutionConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+        routed, aux, _ = self.routed_with_shared(x_nd, routing, experts, cfg, exe, None)
         return routed, aux
 
     def routed_with_shared(self, x_nd: jax.Array, routing: Routing, experts: RoutedExperts, cfg: ModelConfig,
-                           shared_fn: SharedFn | None
+                           exe: ExecutionConfig, shared_fn: SharedFn | None
                            ) -> tuple[jax.Array, dict[str, jax.Array], jax.Array | None]:
         """(routed [N, D], {dropped_fraction, moe_overflow}, shared_fn(x_nd) or None); the Combine
         waits for the shared experts, so XLA can run them only before it, under the Dispatch.
@@ -137,14 +138,14 @@ class ExpertParallel:
         if cfg.n_routed_experts % groups:
             raise ValueError(f"n_routed_experts={cfg.n_routed_experts} is not divisible by "
                              f"mesh.expert={groups}")
-        exchange = resolve_exchange(cfg.ep_exchange, self.mesh)
-        matmul = resolve_matmul(cfg.expert_matmul, self.mesh.devices.flat[0], cfg.dtype)
+        exchange = resolve_exchange(exe.ep_exchange, self.mesh)
+        matmul = resolve_matmul(exe.expert_matmul, self.mesh.devices.flat[0], cfg.dtype)
         if self.nodes > 1:
             from farskip_jax.parallel.node_aware import node_aware_routed  # it builds on this module
 
-            return node_aware_routed(self.mesh, self.expert_per_node, buffer_config(cfg, self.bounded),
+            return node_aware_routed(self.mesh, self.expert_per_node, cfg, buffer_config(exe, self.bounded),
                                      exchange, matmul, x_nd, routing, experts, shared_fn)
-        ep = _EPShard(buffer_config(cfg, self.bounded), groups, routing.seq_len, exchange, matmul)
+        ep = _EPShard(cfg, buffer_config(exe, self.bounded), groups, routing.seq_len, exchange, matmul)
         tokens, expert_spec = P(BATCH_AXES), P("expert", None, None)
         smap = functools.partial(jax.shard_map, mesh=self.mesh)
         w_gld = (experts.w_gate[...], experts.w_up[...], experts.w_down[...])
@@ -333,6 +334,7 @@ class _EPShard:
     """The per-shard halves of the expert-parallel routed experts (bodies of the shard_maps)."""
 
     cfg: ModelConfig
+    exe: ExecutionConfig  # its moe_buffer_factor sizes the receive buffers (0: the worst case)
     groups: int  # G
     seq_len: int
     exchange: str
@@ -346,7 +348,7 @@ class _EPShard:
         """The receive buffer (`dispatch.moe_buffer`): R rows from all G sources (ragged exchange) or B
         rows per source (padded)."""
         sources = self.groups if self.exchange == "ragged" else 1
-        return moe_buffer(self.cfg, n, self.groups, self.seq_len, sources)
+        return moe_buffer(self.cfg, self.exe, n, self.groups, self.seq_len, sources)
 
     def receive_rows(self, n: int) -> int:
         """Rows of the receive buffer: R, or G * B."""
@@ -356,7 +358,7 @@ class _EPShard:
     def _sort(self, n: int, weights_nk: jax.Array, experts_nk: jax.Array) -> tuple[_Sorted, jax.Array]:
         """Capacity drops, sort by global expert (= by destination rank, then local expert), counts."""
         e, local, groups = self.cfg.n_routed_experts, self.local, self.groups
-        ids_nk, dropped = drop_over_capacity(experts_nk, weights_nk, self.seq_len, self.cfg)
+        ids_nk, dropped = drop_over_capacity(experts_nk, weights_nk, self.seq_len, self.cfg, self.exe)
         ids_a = ids_nk.reshape(-1)
         srt = sort_by_group(ids_a, e)
         with jax.named_scope("dispatch"):
@@ -364,7 +366,7 @@ class _EPShard:
             # where its rows for each destination start in its sorted rows: from it every rank knows
             # where its rows land in every packed receive buffer, every buffer's load (so all agree
             # on an overflow without another collective), and where the Combine sends each row back.
-            # Tagged for remat (model/transformer.py): the backward pass reuses it.
+            # Tagged for execution.remat (model/transformer.py): the backward pass reuses it.
             counts_gl = jnp.diff(srt.starts_g).reshape(groups, local)
             meta_gm = jnp.concatenate([counts_gl, srt.starts_g[:-1:local, None]], axis=1)
             meta = checkpoint_name(jax.lax.all_gather(meta_gm, "expert"), A2A_COUNTS)  # [G src, G dst, L+1]
@@ -374,7 +376,7 @@ class _EPShard:
             load = counts.sum(axis=(0, 2)) if self.exchange == "ragged" else counts.sum(axis=2)
             overflow = jnp.any(load > limit)
             meta = jnp.where(overflow, 0, meta)
-        if self.cfg.capacity_factor > 0:  # equal tokens per shard: the mean of means is the global mean
+        if self.exe.capacity_factor > 0:  # equal tokens per shard: the mean of means is the global mean
             dropped = jax.lax.pmean(dropped, BATCH_AXES)
         return _Sorted(ids_a, srt.order_a, srt.inv_a, srt.starts_g[None], meta[None],
                        overflow.astype(jnp.int32)[None]), dropped
@@ -429,7 +431,7 @@ class _EPShard:
         with jax.named_scope("experts"):
             me = jax.lax.axis_index("expert")
             rg = _regroup(meta[:, me, :local], self._blocks(meta, n)[:, me], rows)
-            per_expert = min(groups * rows_per_expert(n, self.seq_len, self.cfg), rows)
+            per_expert = min(groups * rows_per_expert(n, self.seq_len, self.cfg, self.exe), rows)
             back_rd = _expert_ffn(self.matmul, per_expert, recv_rd, rg, w_gate, w_up, w_down)
             return back_rd, srt, dropped, srt.overflow
 

@@ -32,14 +32,14 @@ def ep_forward(graphdef: nnx.GraphDef, mesh: Mesh, bounded: bool = True,
 def tp_forward(graphdef: nnx.GraphDef, state_like: Any, mesh: Mesh,
                bounded: bool = True) -> Callable[..., Any]:
     """`f(state, input_ids, positions, segment_ids) -> (logits, hidden, overflow)`: the inference TP
-    layout (with the model's `tp_reduce`; `tp_microbatches` is read by the model itself); overflow
+    layout (with the model's `exe.tp_reduce`; `exe.tp_microbatches` is read by the model itself); overflow
     as in `ModelOutput.aux["moe_overflow"]` (`bounded` as in TensorParallel)."""
     check_tensor_layout(nnx.merge(graphdef, state_like).cfg, mesh.shape["tensor"])
     specs = param_specs_tree(state_like, "tp")
 
     def body(state, input_ids, positions, segment_ids):
         model = nnx.merge(graphdef, state)
-        par = TensorParallel(device=mesh.devices.flat[0], mode=model.cfg.tp_reduce, bounded=bounded)
+        par = TensorParallel(device=mesh.devices.flat[0], mode=model.exe.tp_reduce, bounded=bounded)
         out = model(input_ids, positions, segment_ids, parallel=par)
         return out.logits, out.hidden, out.aux["moe_overflow"]
 
@@ -68,7 +68,7 @@ def tp_cached_forward(graphdef: nnx.GraphDef, state_like: Any, mesh: Mesh, prefi
 
     def body(state, input_ids, positions, caches):
         model = nnx.merge(graphdef, state)
-        par = TensorParallel(device=mesh.devices.flat[0], mode=model.cfg.tp_reduce, bounded=bounded)
+        par = TensorParallel(device=mesh.devices.flat[0], mode=model.exe.tp_reduce, bounded=bounded)
         return model.cached_forward(input_ids, positions, caches, prefill=prefill, parallel=par)
 
     return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(), P(), caches), out_specs=(P(), caches, P()),

@@ -89,6 +89,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from farskip_jax.config import ModelConfig
+from farskip_jax.execution import ExecutionConfig
 from farskip_jax.model import schedule
 from farskip_jax.model.dispatch import (
     A2A_COMBINE,
@@ -296,7 +297,8 @@ class _NodeState(NamedTuple):
 class _NodeShard:
     """The per-shard halves of the node-aware routed experts (bodies of the shard_maps)."""
 
-    cfg: ModelConfig  # as `buffer_config` sizes the buffers
+    cfg: ModelConfig
+    exe: ExecutionConfig  # as `buffer_config` sizes the buffers (moe_buffer_factor 0: the worst case)
     nodes: int  # Nn
     per_node: int  # Lr
     seq_len: int
@@ -325,21 +327,21 @@ class _NodeShard:
         intermediate's stage-2 send rows; the stage-2 receive buffer, likewise per exchange)."""
         cfg, k, nn, lr, el, en = (self.cfg, self.cfg.num_experts_per_tok, self.nodes, self.per_node,
                                   self.local, self.node_experts)
-        rpe = rows_per_expert(n, self.seq_len, cfg)
+        rpe = rows_per_expert(n, self.seq_len, cfg, self.exe)
         q = expected_nodes_per_token(cfg.n_routed_experts, nn, k)
         per_sender1 = min(n, en * rpe)  # each token once per node; with a capacity, rpe per expert
         if self.exchange == "ragged":
-            b1 = bounded_buffer(cfg, n * q, nn * per_sender1)
+            b1 = bounded_buffer(self.exe, n * q, nn * per_sender1)
             rows1 = b1.rows
         else:
-            b1 = bounded_buffer(cfg, n * q / nn, per_sender1)
+            b1 = bounded_buffer(self.exe, n * q / nn, per_sender1)
             rows1 = nn * b1.rows
-        s2 = bounded_buffer(cfg, n * k, min(rows1 * min(k, en), en * nn * rpe))
+        s2 = bounded_buffer(self.exe, n * k, min(rows1 * min(k, en), en * nn * rpe))
         if self.exchange == "ragged":
             worst2 = min(lr * s2.rows, self.ranks * min(n * min(k, el), el * rpe))
-            b2 = bounded_buffer(cfg, n * k, worst2)
+            b2 = bounded_buffer(self.exe, n * k, worst2)
         else:
-            b2 = bounded_buffer(cfg, n * k / lr, min(s2.rows, nn * el * rpe))
+            b2 = bounded_buffer(self.exe, n * k / lr, min(s2.rows, nn * el * rpe))
         return b1, s2, b2
 
     def stages(self, n: int) -> tuple[_Stage, _Stage]:
@@ -399,7 +401,7 @@ class _NodeShard:
         stage1, stage2 = self.stages(n)
         _, s2, _ = self.buffers(n)
         s1 = self.pair_rows(n)
-        ids_nk, dropped = drop_over_capacity(experts_nk, weights_nk, self.seq_len, self.cfg)
+        ids_nk, dropped = drop_over_capacity(experts_nk, weights_nk, self.seq_len, self.cfg, self.exe)
         node, loc = self._where()
         with jax.named_scope("dispatch"):
             node_nk = ids_nk // en  # Nn for a dropped assignment
@@ -431,9 +433,9 @@ class _NodeShard:
         with jax.named_scope("experts"):
             rows2 = stage2.rows
             rg = _regroup(counts2[:, loc], stage2.blocks(counts2_sd)[:, loc], rows2)
-            per_expert = min(self.ranks * rows_per_expert(n, self.seq_len, self.cfg), rows2)
+            per_expert = min(self.ranks * rows_per_expert(n, self.seq_len, self.cfg, self.exe), rows2)
             back_rd = _expert_ffn(self.matmul, per_expert, recv2, rg, w_gate, w_up, w_down)
-        if self.cfg.capacity_factor > 0:  # equal tokens per shard: the mean of means is the global mean
+        if self.exe.capacity_factor > 0:  # equal tokens per shard: the mean of means is the global mean
             dropped = jax.lax.pmean(dropped, BATCH_AXES)
         state = _NodeState(present_nd & ~overflow, pairs.inv_a, node_q, lid_rk, w_rk, srt.inv_a,
                            srt.order_a[:s2.rows],
@@ -507,13 +509,14 @@ def _partial_sums_bwd(res: tuple[jax.Array, ...], ct_rd: jax.Array) -> tuple[jax
 _partial_sums.defvjp(_partial_sums_fwd, _partial_sums_bwd)
 
 
-def node_aware_routed(mesh: Mesh, expert_per_node: int, bounded_cfg: ModelConfig, exchange: str, matmul: str,
+def node_aware_routed(mesh: Mesh, expert_per_node: int, cfg: ModelConfig, bounded_exe: ExecutionConfig,
+                      exchange: str, matmul: str,
                       x_nd: jax.Array, routing: Routing, experts: RoutedExperts,
                       shared_fn: SharedFn | None
                       ) -> tuple[jax.Array, dict[str, jax.Array], jax.Array | None]:
-    """`ExpertParallel.routed_with_shared` with the two-stage exchange (`bounded_cfg`: the config its
-    buffers are sized by, `dispatch.buffer_config`)."""
-    ep = _NodeShard(bounded_cfg, mesh.shape[AXIS] // expert_per_node, expert_per_node, routing.seq_len,
+    """`ExpertParallel.routed_with_shared` with the two-stage exchange (`bounded_exe`: the execution
+    config its buffers are sized by, `dispatch.buffer_config`)."""
+    ep = _NodeShard(cfg, bounded_exe, mesh.shape[AXIS] // expert_per_node, expert_per_node, routing.seq_len,
                     exchange, matmul)
     tokens, expert_spec = P(BATCH_AXES), P(AXIS, None, None)
     smap = functools.partial(jax.shard_map, mesh=mesh)
@@ -527,11 +530,11 @@ def node_aware_routed(mesh: Mesh, expert_per_node: int, bounded_cfg: ModelConfig
     return routed, {"dropped_fraction": dropped, "moe_overflow": overflow}, shared
 
 
-def stage_rows(cfg: ModelConfig, tokens: int, expert: int, expert_per_node: int, seq_len: int,
-               exchange: str = "ragged") -> dict[str, int]:
+def stage_rows(cfg: ModelConfig, exe: ExecutionConfig, tokens: int, expert: int, expert_per_node: int,
+               seq_len: int, exchange: str = "ragged") -> dict[str, int]:
     """The node-aware exchange's static rows per rank for `tokens` tokens per source (for reports
     and tests): stage-1 send / receive, stage-2 send / receive."""
-    shard = _NodeShard(cfg, expert // expert_per_node, expert_per_node, seq_len, exchange, "ragged")
+    shard = _NodeShard(cfg, exe, expert // expert_per_node, expert_per_node, seq_len, exchange, "ragged")
     b1, s2, b2 = shard.buffers(tokens)
     stage1, stage2 = shard.stages(tokens)
     return {"send1": shard.pair_rows(tokens), "recv1": stage1.rows, "send2": s2.rows, "recv2": stage2.rows,

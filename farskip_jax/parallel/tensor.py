@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from farskip_jax.config import ModelConfig
+from farskip_jax.config import ExecutionConfig, ModelConfig
 from farskip_jax.model.dispatch import (
     buffer_config,
     drop_over_capacity,
@@ -31,7 +31,7 @@ class TensorParallel:
 
     axis: str = "tensor"
     device: Any = None  # one of the mesh's devices: picks expert_matmul "auto" (None: jax.devices()[0])
-    mode: str = "psum"  # ModelConfig.tp_reduce: psum, or reduce_scatter (+ all-gather)
+    mode: str = "psum"  # ExecutionConfig.tp_reduce: psum, or reduce_scatter (+ all-gather)
     bounded: bool = True  # each rank's rows bounded by `moe_buffer` (as ExpertParallel.bounded)
 
     def worst_case(self) -> TensorParallel:
@@ -43,7 +43,7 @@ class TensorParallel:
             if self.mode == "psum":
                 return jax.lax.psum(v, self.axis)
             if self.mode != "reduce_scatter":
-                raise ValueError(f"model.tp_reduce={self.mode!r}: expected 'psum' or 'reduce_scatter'")
+                raise ValueError(f"execution.tp_reduce={self.mode!r}: expected 'psum' or 'reduce_scatter'")
             # Half a psum's traffic each. Only the residual add reads the gathered sum, so XLA is
             # free to start the all-gather late, just before whatever next reads the sum.
             ranks = jax.lax.axis_size(self.axis)
@@ -53,8 +53,8 @@ class TensorParallel:
             with jax.named_scope("all_gather"):
                 return jax.lax.all_gather(part, self.axis, axis=dim, tiled=True)
 
-    def routed_fn(self, x_nd: jax.Array, routing: Routing, experts: RoutedExperts,
-                  cfg: ModelConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def routed_fn(self, x_nd: jax.Array, routing: Routing, experts: RoutedExperts, cfg: ModelConfig,
+                  exe: ExecutionConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
         """This rank's experts only; the caller's reduce sums the ranks' partial outputs.
 
         Tokens and routing are replicated over the axis, so every rank drops the same assignments,
@@ -63,8 +63,9 @@ class TensorParallel:
         local = experts.w_gate.shape[0]
         ranks = cfg.n_routed_experts // local
         rank = jax.lax.axis_index(self.axis)
-        ids_nk, dropped = drop_over_capacity(routing.experts_nk, routing.weights_nk, routing.seq_len, cfg)
-        buffer = moe_buffer(buffer_config(cfg, self.bounded), x_nd.shape[0], ranks, routing.seq_len)
+        ids_nk, dropped = drop_over_capacity(routing.experts_nk, routing.weights_nk, routing.seq_len, cfg,
+                                             exe)
+        buffer = moe_buffer(cfg, buffer_config(exe, self.bounded), x_nd.shape[0], ranks, routing.seq_len)
         per_rank = jnp.zeros(ranks + 1, jnp.int32).at[jnp.minimum(ids_nk // local, ranks)].add(1)[:ranks]
         overflow = jnp.any(per_rank > buffer.rows).astype(jnp.int32)
         ids_nk = ids_nk - rank * local
@@ -72,8 +73,8 @@ class TensorParallel:
         with jax.named_scope("experts"):
             routed = routed_experts(x_nd, ids_nk, routing.weights_nk, experts.w_gate[...], experts.w_up[...],
                                     experts.w_down[...],
-                                    resolve_matmul(cfg.expert_matmul, self.device or jax.devices()[0],
+                                    resolve_matmul(exe.expert_matmul, self.device or jax.devices()[0],
                                                    cfg.dtype),
-                                    rows_per_expert(x_nd.shape[0], routing.seq_len, cfg),
+                                    rows_per_expert(x_nd.shape[0], routing.seq_len, cfg, exe),
                                     rows=buffer.rows if buffer.bounded else None)
         return routed, {"dropped_fraction": dropped, "moe_overflow": overflow}

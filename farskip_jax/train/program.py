@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from farskip_jax.config import Config, ModelConfig, TrainConfig
+from farskip_jax.config import Config, ExecutionConfig, ModelConfig, TrainConfig
 from farskip_jax.errors import UserError
 from farskip_jax.model.transformer import Transformer, with_farskip
 from farskip_jax.parallel import BATCH_AXES, ExpertParallel, param_shardings
@@ -38,12 +38,21 @@ def student_config(cfg: Config) -> ModelConfig:
     return cfg.model
 
 
+def student_execution(cfg: Config) -> ExecutionConfig:
+    """How the student runs: the config's execution section as it is."""
+    return cfg.execution
+
+
 def teacher_config(cfg: Config) -> ModelConfig:
-    """The teacher: the same model with regular connectivity, weights in `train.teacher_dtype`, and
-    always dropless (capacity_factor 0): its distribution is the target, and a capacity limit would
-    make that target depend on which other tokens share the batch."""
-    return dataclasses.replace(with_farskip(cfg.model, enabled=False), param_dtype=cfg.train.teacher_dtype,
-                               capacity_factor=0.0)
+    """The teacher: the same model with regular connectivity, weights in `train.teacher_dtype`."""
+    return dataclasses.replace(with_farskip(cfg.model, enabled=False), param_dtype=cfg.train.teacher_dtype)
+
+
+def teacher_execution(cfg: Config) -> ExecutionConfig:
+    """How the teacher runs: as the student, but always dropless (capacity_factor 0): its
+    distribution is the target, and a capacity limit would make that target depend on which other
+    tokens share the batch."""
+    return cfg.execution.dropless()
 
 
 def uses_teacher_cache(tc: TrainConfig) -> bool:
@@ -63,9 +72,10 @@ def parallel_for(mesh: Mesh, expert_per_node: int = 0) -> ExpertParallel | None:
     return ExpertParallel(mesh, expert_per_node=expert_per_node) if expert > 1 else None
 
 
-def abstract_params(mcfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
-    """(graphdef, Param state of ShapeDtypeStructs) of the model; nothing is allocated."""
-    return nnx.split(nnx.eval_shape(lambda: Transformer(mcfg, nnx.Rngs(0))), nnx.Param)
+def abstract_params(mcfg: ModelConfig, exe: ExecutionConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, Param state of ShapeDtypeStructs) of the model `mcfg` run as `exe`; nothing is
+    allocated."""
+    return nnx.split(nnx.eval_shape(lambda: Transformer(mcfg, nnx.Rngs(0), exe)), nnx.Param)
 
 
 def with_shardings(tree: Any, shardings: Any) -> Any:
@@ -83,6 +93,8 @@ class TrainProgram:
     spec: LossSpec
     student_cfg: ModelConfig
     teacher_cfg: ModelConfig
+    student_exe: ExecutionConfig
+    teacher_exe: ExecutionConfig
     student_graph: nnx.GraphDef
     teacher_graph: nnx.GraphDef
     student_abstract: nnx.State  # ShapeDtypeStructs, no shardings
@@ -173,8 +185,9 @@ def build_program(cfg: Config, mesh: Mesh) -> TrainProgram:
     parallel = parallel_for(mesh, cfg.mesh.expert_per_node)
     spec = LossSpec.from_train(tc, cached_teacher=uses_teacher_cache(tc))
     s_cfg, t_cfg = student_config(cfg), teacher_config(cfg)
-    s_graph, s_abs = abstract_params(s_cfg)
-    t_graph, t_abs = abstract_params(t_cfg)
+    s_exe, t_exe = student_execution(cfg), teacher_execution(cfg)
+    s_graph, s_abs = abstract_params(s_cfg, s_exe)
+    t_graph, t_abs = abstract_params(t_cfg, t_exe)
     schedule = lr_schedule(tc)
     tx = make_optimizer(tc, s_abs)
     shardings = step_shardings(s_abs, tx, mesh, tc.zero1,
@@ -182,7 +195,8 @@ def build_program(cfg: Config, mesh: Mesh) -> TrainProgram:
     step = make_train_step(spec, s_graph, t_graph if spec.needs_teacher_model else None, tx, schedule,
                            parallel, shardings)
     return TrainProgram(cfg=cfg, mesh=mesh, parallel=parallel, spec=spec, student_cfg=s_cfg,
-                        teacher_cfg=t_cfg, student_graph=s_graph, teacher_graph=t_graph,
+                        teacher_cfg=t_cfg, student_exe=s_exe, teacher_exe=t_exe, student_graph=s_graph,
+                        teacher_graph=t_graph,
                         student_abstract=s_abs, teacher_abstract=t_abs, tx=tx, schedule=schedule,
                         shardings=shardings, teacher_shardings=param_shardings(t_abs, mesh, "ep"),
                         train_step=step)

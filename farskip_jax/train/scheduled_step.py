@@ -49,7 +49,7 @@ def compile_with_profile(step: Any, args: tuple, gpu: str, profile_dir: Path, cf
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), args)
     mesh = {"data": cfg.mesh.data, "expert": cfg.mesh.expert, "tensor": cfg.mesh.tensor}
     seq_len = args[2]["input_ids"].shape[-1]
-    fill = balanced_grouped_fill(cfg.model, mesh, True, seqs_per_device * seq_len, seq_len)
+    fill = balanced_grouped_fill(cfg.model, cfg.execution, mesh, True, seqs_per_device * seq_len, seq_len)
     log.info("train.pgle: compiling the step twice for a synthetic %s profile (-> %s)", gpu, profile_dir)
     res = pgle.compile_with_synthetic_pgle(step, *abstract, target="local", cost_target=gpu,
                                            compiler_options=compiler_options_for(gpu),

@@ -1,10 +1,11 @@
 """The run's mesh and its models' parameters, placed on the mesh from the first byte.
 
 Student = `program.student_cfg` (FarSkip connectivity, fp32 master weights, `model.dtype`
-compute); teacher = the same weights with regular connectivity in `train.teacher_dtype`, frozen,
-dropless (`program.teacher_config`). Loading, casting and sharding live in one place each:
-`checkpoint.hf_load.load_params` reads a checkpoint straight into the student's shardings,
-`cast_params` derives the teacher on device, `program.TrainProgram` owns every layout.
+compute) run as `program.student_exe`; teacher = the same weights with regular connectivity in
+`train.teacher_dtype`, frozen, dropless (`program.teacher_config`, `program.teacher_execution`).
+Loading, casting and sharding live in one place each: `checkpoint.hf_load.load_params` reads a
+checkpoint straight into the student's shardings, `cast_params` derives the teacher on device,
+`program.TrainProgram` owns every layout.
 """
 
 from __future__ import annotations
@@ -66,9 +67,9 @@ def init_student_params(cfg: Config, program: TrainProgram) -> nnx.State:
     shardings = program.shardings.params
     path = cfg.train.init_checkpoint
     if path is None:
-        mcfg, seed = program.student_cfg, cfg.train.seed
+        mcfg, exe, seed = program.student_cfg, program.student_exe, cfg.train.seed
         # Initialised under jit with output shardings: XLA creates each shard on its device.
-        return jax.jit(lambda: nnx.state(build_model(mcfg, seed), nnx.Param), out_shardings=shardings)()
+        return jax.jit(lambda: nnx.state(build_model(mcfg, seed, exe), nnx.Param), out_shardings=shardings)()
     pure_shardings = nnx.to_pure_dict(shardings)
     pure = load_params(path, program.student_cfg, lambda p: nest_get(pure_shardings, p),
                        DTYPES[program.student_cfg.param_dtype])

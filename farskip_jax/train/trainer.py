@@ -155,7 +155,7 @@ class Trainer:
         self.step = 0
         self.loss_ema: float | None = None
         # moe_overflow_reruns: steps (and eval batches) whose bounded routed-expert buffers overflowed
-        # and were run again with the worst-case program (model.moe_buffer_factor)
+        # and were run again with the worst-case program (execution.moe_buffer_factor)
         self.counts = {"nonfinite_skipped": 0, "spikes": 0, "nonfinite_in_row": 0, "moe_overflow_reruns": 0}
         self._consumed_data_state: dict[str, Any] | None = None  # set by the loop (`_data_state`)
         # host time per step: making the batch (in the prefetch thread), the loop waiting for it, the
@@ -394,9 +394,9 @@ class Trainer:
                     # batch runs again with the worst-case buffers, so the step stays exactly dropless.
                     # The step dispatched after it was void too (its after_void): it runs again next.
                     self.counts["moe_overflow_reruns"] += 1
-                    log.info("step %d: a routed-expert buffer overflowed (model.moe_buffer_factor=%g); "
+                    log.info("step %d: a routed-expert buffer overflowed (execution.moe_buffer_factor=%g); "
                              "re-running it with the worst-case buffers (%d re-runs so far)", self.step,
-                             self.cfg.model.moe_buffer_factor, self.counts["moe_overflow_reruns"])
+                             self.cfg.execution.moe_buffer_factor, self.counts["moe_overflow_reruns"])
                     self.state, m = self.program.worst_case_train_step(self.state, teacher,
                                                                        in_flight.item.batch,
                                                                        in_flight.scale, zero)

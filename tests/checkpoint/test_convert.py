@@ -21,9 +21,9 @@ transformers = pytest.importorskip("transformers")
 
 from convert_torch_ckpt import main as cli  # noqa: E402
 from farskip_jax import from_pretrained  # noqa: E402
-from farskip_jax.checkpoint.convert import TEST_PAUSE_ENV  # noqa: E402
 from farskip_jax.checkpoint.hf_io import CheckpointError, TensorSource  # noqa: E402
 from farskip_jax.checkpoint.orbax_io import MARKER, load_model_config  # noqa: E402
+from farskip_jax.checkpoint.output_dir import TEST_PAUSE_ENV  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 E = 8
@@ -331,7 +331,8 @@ def test_mixed_dtype_needs_flag_and_output_dir_checks(hf_dir, tmp_path, capsys):
 
 def _kill_after_first_group(src: Path, out: Path, *extra: str) -> Path:
     """Runs the converter until its first group (with --to-hf: shard) is on disk, SIGKILLs it,
-    returns its temp dir."""
+    returns its temp dir. With --to-hf the pause holds only the writer thread that finished the
+    first shard: the other writers and the restores go on until the kill, mid-write."""
     env = {**os.environ, TEST_PAUSE_ENV: "120", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen([sys.executable, str(REPO / "convert_torch_ckpt.py"), "--input", str(src),
                              "--output", str(out), "--no-progress", *extra], stdout=subprocess.PIPE,
@@ -341,10 +342,10 @@ def _kill_after_first_group(src: Path, out: Path, *extra: str) -> Path:
             if "test pause" in line:
                 break
         tmp = list(out.parent.glob(f".{out.name}.farskip-tmp-*"))
-        # Really stopped mid-write: an Orbax partial save, or one finished shard of several.
+        # Really stopped mid-write: an Orbax partial save, or some finished shards of several.
         shards_done = tmp[0] / "shards_done.txt" if tmp else None
         assert tmp and (list(tmp[0].glob("*.partial_save")) or
-                        shards_done.read_text().split() == ["model-00001-of-00006.safetensors"])
+                        0 < len(shards_done.read_text().split()) < 6)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
@@ -402,25 +403,94 @@ def test_resume_continues_a_killed_conversion_bitwise(hf_dir, orbax_dir, tmp_pat
 
 
 def test_to_hf_resume_continues_a_killed_export_bitwise(orbax_dir, tmp_path, capsys):
-    """--to-hf --resume: killed after its first of six shards, refused with another shard size, then
-    continued from the second shard; every file equals an uninterrupted export's, byte for byte."""
+    """--to-hf --resume: killed mid-write with 3 writer threads after its first of six shards was
+    listed, refused with another shard size, then continued with 1 worker: the listed shards are kept
+    as they are, the others written again; every file equals an uninterrupted export's, byte for byte."""
     shard = ["--max-shard-size", "40KB"]
     ref = tmp_path / "ref"
     assert cli(["--to-hf", "--input", str(orbax_dir), "--output", str(ref), *shard, "--no-progress"]) == 0
     assert len(list(ref.glob("*.safetensors"))) == 6
     capsys.readouterr()
     out = tmp_path / "resumed"
-    tmp = _kill_after_first_group(orbax_dir, out, "--to-hf", *shard)
+    tmp = _kill_after_first_group(orbax_dir, out, "--to-hf", *shard, "--workers", "3")
+    listed = (tmp / "shards_done.txt").read_text().split()
+    # What a kill mid-write leaves of a shard not listed: written partly, or all of it but not synced.
+    unlisted = [f"model-{i:05d}-of-00006.safetensors" for i in range(1, 7)
+                if f"model-{i:05d}-of-00006.safetensors" not in listed]
+    (tmp / unlisted[0]).write_bytes((ref / unlisted[0]).read_bytes()[:-7] + b"garbage")
     assert cli(["--to-hf", "--input", str(orbax_dir), "--output", str(out), "--max-shard-size", "30KB",
                 "--resume", "--no-progress"]) == 2
     assert "(max_shard_size was '40KB', now '30KB')" in capsys.readouterr().err
-    first = (tmp / "model-00001-of-00006.safetensors").stat().st_mtime_ns
+    kept = {n: (tmp / n).stat().st_mtime_ns for n in listed}
+    assert cli(["--to-hf", "--input", str(orbax_dir), "--output", str(out), *shard, "--resume",
+                "--workers", "1", "--no-progress"]) == 0
+    assert f"resuming {out}: {len(listed)} of 6 shards" in capsys.readouterr().out
+    assert {n: (out / n).stat().st_mtime_ns for n in listed} == kept  # not written again
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in ref.iterdir())
+    assert all((out / p.name).read_bytes() == p.read_bytes() for p in ref.iterdir())
+
+
+def test_to_hf_resume_keeps_shards_finished_out_of_order(orbax_dir, tmp_path, capsys):
+    """Shards are written at once and may finish in any order: a resumed export keeps every listed
+    shard (here the 4th, without the 1st to 3rd: copied from an uninterrupted export) and writes the
+    rest; a listed shard whose file is short is written again."""
+    from farskip_jax.checkpoint.output_dir import PLAN_FILE, SHARDS_DONE
+    from farskip_jax.checkpoint.to_hf import export_plan
+
+    shard = ["--max-shard-size", "40KB"]
+    ref = tmp_path / "ref"
+    assert cli(["--to-hf", "--input", str(orbax_dir), "--output", str(ref), *shard, "--no-progress"]) == 0
+    out = tmp_path / "out"
+    # An interrupted export's temp dir as a dead process (pid 999999999) leaves it (the naming of
+    # atomic_output_dir): its plan, one shard listed out of order, one listed but cut short.
+    plan = export_plan(orbax_dir, "float32", {}, "40KB", None)
+    tmp = out.parent / f".{out.name}.farskip-tmp-999999999"
+    tmp.mkdir()
+    (tmp / PLAN_FILE).write_text(json.dumps(plan))
+    fourth, fifth = "model-00004-of-00006.safetensors", "model-00005-of-00006.safetensors"
+    shutil.copyfile(ref / fourth, tmp / fourth)
+    (tmp / fifth).write_bytes((ref / fifth).read_bytes()[:100])
+    (tmp / SHARDS_DONE).write_text(f"{fourth}\n{fifth}\n")
+    kept = (tmp / fourth).stat().st_mtime_ns
     assert cli(["--to-hf", "--input", str(orbax_dir), "--output", str(out), *shard, "--resume",
                 "--no-progress"]) == 0
     assert f"resuming {out}: 1 of 6 shards" in capsys.readouterr().out
-    assert (out / "model-00001-of-00006.safetensors").stat().st_mtime_ns == first  # not written again
+    assert (out / fourth).stat().st_mtime_ns == kept
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in ref.iterdir())
     assert all((out / p.name).read_bytes() == p.read_bytes() for p in ref.iterdir())
+
+
+def test_workers_and_row_blocks_do_not_change_the_output(hf_dir, orbax_dir, tmp_path, monkeypatch, capsys):
+    """1 or 3 workers, with 512-byte row blocks (every tensor larger than that read, cast and
+    written in several blocks, several shards in flight): the parameters of the default run
+    (2 workers, 64 MiB blocks) and byte-equal exports, in the stored fp32 and cast to bf16."""
+    import convert_torch_ckpt
+    from farskip_jax.checkpoint import common, convert
+
+    assert convert_torch_ckpt.DEFAULT_WORKERS == convert.DEFAULT_WORKERS
+    shard = ["--max-shard-size", "30KB", "--no-progress"]
+    refs = {}
+    for dtype in ("fp32", "bf16"):
+        refs[dtype] = tmp_path / f"ref_{dtype}"
+        assert cli(["--to-hf", "--input", str(orbax_dir), "--output", str(refs[dtype]), "--dtype", dtype,
+                    *shard]) == 0
+    monkeypatch.setattr(common, "BLOCK_BYTES", 512)
+    ref_bits = _saved_bits(orbax_dir)
+    for workers in ("1", "3"):
+        conv = tmp_path / f"orbax_w{workers}"
+        assert cli(["--input", str(hf_dir), "--output", str(conv), "--mesh", "expert=8", "--workers", workers,
+                    "--no-progress"]) == 0
+        got = _saved_bits(conv)
+        assert sorted(got) == sorted(ref_bits) and all(np.array_equal(got[k], ref_bits[k]) for k in ref_bits)
+        for dtype, ref in refs.items():
+            out = tmp_path / f"hf_w{workers}_{dtype}"
+            assert cli(["--to-hf", "--input", str(orbax_dir), "--output", str(out), "--dtype", dtype,
+                        "--workers", workers, *shard]) == 0
+            assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in ref.iterdir())
+            assert all((out / p.name).read_bytes() == p.read_bytes() for p in ref.iterdir()), (workers, dtype)
+    capsys.readouterr()
+    assert cli(["--input", str(hf_dir), "--output", str(tmp_path / "w0"), "--workers", "0"]) == 2
+    assert "--workers 0: expected an integer >= 1" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------------------------

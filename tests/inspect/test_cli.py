@@ -111,23 +111,58 @@ def test_compare_four_modes_and_their_user_errors(capsys: pytest.CaptureFixture[
     from farskip_jax.config import load_config
     from farskip_jax.inspect import steps
 
-    dsv2 = load_config("dsv2lite_farskip").model
-    assert dsv2.batch_split == 2 and dsv2.farskip.enabled
+    dsv2 = load_config("dsv2lite_farskip")
+    assert dsv2.execution.batch_split == 2 and dsv2.model.farskip.enabled
     assert steps.four_modes(dsv2) == ["regular_bs1", "regular_bs2", "farskip_bs1", "farskip_bs2"]
-    base = steps.model_for(dsv2, "regular_bs1")
-    assert (base.batch_split, base.farskip.enabled) == (1, False)
-    split = steps.model_for(dsv2, "farskip_bs4")
-    assert (split.batch_split, split.farskip.enabled) == (4, True)
-    assert steps.model_for(dsv2, "regular").batch_split == 2  # --compare-regular: the config's own split
-    tiny = load_config("tiny").model
-    assert tiny.batch_split == 1 and steps.four_modes(tiny)[-1] == "farskip_bs2"
+    base = steps.config_for(dsv2, "regular_bs1")
+    assert (base.execution.batch_split, base.model.farskip.enabled) == (1, False)
+    split = steps.config_for(dsv2, "farskip_bs4")
+    assert (split.execution.batch_split, split.model.farskip.enabled) == (4, True)
+    # --compare-regular: the config's own split
+    assert steps.config_for(dsv2, "regular").execution.batch_split == 2
+    tiny = load_config("tiny")
+    assert tiny.execution.batch_split == 1 and steps.four_modes(tiny)[-1] == "farskip_bs2"
     with pytest.raises(ValueError):
-        steps.model_for(dsv2, "farskip_bs0")
+        steps.config_for(dsv2, "farskip_bs0")
     assert cli.main(["--config", "tiny", "--mode", "prefill", "--compare", "four"]) == 2
     assert "--compare four needs --mode train or fcsd" in capsys.readouterr().err
     odd = ["--config", "tiny", "--mode", "fcsd", "--compare", "four", "--seqs-per-device", "3"]
     assert cli.main(odd) == 2
     assert "batch split 2 does not divide --seqs-per-device 3" in capsys.readouterr().err
+
+
+def _changed(a, b, prefix: str = "") -> set[str]:
+    """Dotted keys whose values differ between two config dicts."""
+    out = set()
+    for k in sorted(set(a) | set(b)):
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out |= _changed(x, y, f"{prefix}{k}.")
+        elif x != y:
+            out.add(prefix + k)
+    return out
+
+
+@pytest.mark.parametrize("name", ["dsv2lite_farskip", "dsv2lite", "tiny"])
+def test_baselines_change_one_section_only(name: str) -> None:
+    """The inspector's regular baseline differs from the FarSkip run in model.farskip alone (the
+    batch split, and every other execution field, is the config's own); in `--compare four` the
+    split rows differ from the one-stream rows in execution.batch_split alone."""
+    from farskip_jax.config import load_config, to_dict
+    from farskip_jax.inspect import steps
+
+    cfg = load_config(name)
+    modes = ("farskip", "regular", *steps.four_modes(cfg))
+    runs = {mode: to_dict(steps.config_for(cfg, mode)) for mode in modes}
+    assert _changed(runs["farskip"], runs["regular"]) == {"model.farskip.enabled"}
+    assert _changed(to_dict(cfg), runs["farskip" if cfg.model.farskip.enabled else "regular"]) == set()
+    assert runs["regular"]["execution"] == runs["farskip"]["execution"] == to_dict(cfg)["execution"]
+    regular_1, regular_n, farskip_1, farskip_n = steps.four_modes(cfg)
+    assert _changed(runs[regular_1], runs[regular_n]) == {"execution.batch_split"}
+    assert _changed(runs[farskip_1], runs[farskip_n]) == {"execution.batch_split"}
+    assert _changed(runs[regular_1], runs[farskip_1]) == {"model.farskip.enabled"}
+    assert _changed(runs[regular_n], runs[farskip_n]) == {"model.farskip.enabled"}
+    assert runs[regular_1]["execution"]["batch_split"] == 1
 
 
 def test_useful_flops_of_the_step_main_compiles() -> None:

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from farskip_jax.config import Config, ModelConfig, TrainConfig
+from farskip_jax.config import Config, ExecutionConfig, ModelConfig, TrainConfig
 from farskip_jax.inspect import flops
 
 # A tiny MLA model, every width distinct so that a wrong product shows: 2 layers (1 dense, 1 MoE).
@@ -104,11 +104,14 @@ def test_dsv2_lite_reference_numbers() -> None:
     assert step["per_device"] == pytest.approx(358e12, rel=2e-3)
 
 
+REFERENCE = ExecutionConfig(attention="reference")
+
+
 def _dense(**kw) -> ModelConfig:
-    """A dense (no MoE layer) float32 model with the [T, T] reference attention, wide enough that the
-    elementwise work XLA also counts stays under 1% of the matmuls."""
+    """A dense (no MoE layer) float32 model, run with the [T, T] reference attention (`REFERENCE`),
+    wide enough that the elementwise work XLA also counts stays under 1% of the matmuls."""
     base = dict(vocab_size=512, hidden_size=256, intermediate_size=1024, num_layers=2, num_heads=4,
-                first_k_dense_replace=2, attention="reference", param_dtype="float32", dtype="float32")
+                first_k_dense_replace=2, param_dtype="float32", dtype="float32")
     base.update(kw)
     return ModelConfig(**base)
 
@@ -131,7 +134,7 @@ def test_matches_xla_cost_analysis_of_a_dense_cpu_forward(kind: str) -> None:
           "gqa": dict(attention_kind="gqa", num_kv_heads=2, head_dim=64)}[kind]
     cfg = _dense(**kw)
     b, t = 2, 64
-    model = Transformer(cfg, nnx.Rngs(0))
+    model = Transformer(cfg, nnx.Rngs(0), REFERENCE)
     graphdef, state = nnx.split(model)
 
     def fwd(state, ids):

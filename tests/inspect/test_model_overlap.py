@@ -17,8 +17,8 @@ from farskip_jax.inspect.cli import PSUM_COMBINE_OPTION, run_inspect
 # MoE layer keeps DSV2-Lite's compute/communication proportions. REDUCED's EP exchange is the dense
 # all_to_all with capacity 1.25, the exchange the per-collective checks were written for (jaxlib
 # 0.10.2, before the bounded ragged exchange and the kernels); PRODUCTION is the path users run.
-REDUCED = ["model.num_layers=3", "model.vocab_size=8192", "model.remat=none", "model.ep_exchange=padded",
-           "model.capacity_factor=1.25", "model.batch_split=1"]
+REDUCED = ["model.num_layers=3", "model.vocab_size=8192", "execution.remat=none",
+           "execution.ep_exchange=padded", "execution.capacity_factor=1.25", "execution.batch_split=1"]
 # The production path: the same 3-layer reduction with everything else as `train.py --config
 # dsv2lite_farskip` runs it (exactly dropless with the bounded ragged exchange, the grouped-GEMM and
 # attention kernels, batch split 2, remat save_a2a), 2 sequences per device so that the split runs.

@@ -42,10 +42,11 @@ def _nic(recs: list) -> float:
 
 def _moe_layer(expert_per_node: int) -> tuple[hlo.Analysis, str]:
     mesh = aot.make_target_mesh("h200", MESH)
-    cfg = load_config("tiny", parse_overrides([
+    config = load_config("tiny", parse_overrides([
         "model.n_routed_experts=64", "model.num_experts_per_tok=6", "model.routing=greedy",
-        "model.hidden_size=256", "model.moe_intermediate_size=128", "model.dtype=bfloat16"])).model
-    graphdef, state = nnx.split(MoE(cfg, nnx.Rngs(0)), nnx.Param)
+        "model.hidden_size=256", "model.moe_intermediate_size=128", "model.dtype=bfloat16"]))
+    cfg = config.model
+    graphdef, state = nnx.split(MoE(cfg, nnx.Rngs(0), exe=config.execution), nnx.Param)
     par = ExpertParallel(mesh, expert_per_node=expert_per_node)
     shardings = jax.tree_util.tree_map_with_path(
         lambda path, _: NamedSharding(mesh, P("expert") if "experts" in jax.tree_util.keystr(path) else P()),

@@ -447,18 +447,19 @@ def test_balanced_fill_of_the_dsv2lite_buffers() -> None:
     from farskip_jax.config import load_config
     from farskip_jax.model.dispatch import balanced_grouped_fill
 
-    m = load_config("dsv2lite").model  # K=6 of 64 experts, moe_buffer_factor 2
-    worst = dataclasses.replace(m, moe_buffer_factor=0.0)
+    dsv2 = load_config("dsv2lite")
+    m, e = dsv2.model, dsv2.execution  # K=6 of 64 experts, moe_buffer_factor 2
+    worst = dataclasses.replace(e, moe_buffer_factor=0.0)
     # EP=8, dropless: 16384 tokens send 6 rows each; balanced, a rank receives 8 x 16384 x 6 / 8 rows,
     # into the bounded buffer of twice that, or the worst case's 8 x 16384 x min(6, 8)
-    assert m.moe_buffer_factor == 2.0
-    assert balanced_grouped_fill(m, {"expert": 8}, True, 16384, 4096) == pytest.approx(1 / 2)
-    assert balanced_grouped_fill(worst, {"expert": 8}, True, 16384, 4096) == pytest.approx(1 / 8)
+    assert e.moe_buffer_factor == 2.0
+    assert balanced_grouped_fill(m, e, {"expert": 8}, True, 16384, 4096) == pytest.approx(1 / 2)
+    assert balanced_grouped_fill(m, worst, {"expert": 8}, True, 16384, 4096) == pytest.approx(1 / 8)
     # a capacity of 1.25: 8 local experts x 1.25 x 4 sequences x 4096 x 6 / 64 rows per source (the
     # worst case, below the bound)
-    cap = dataclasses.replace(m, capacity_factor=1.25)
-    assert balanced_grouped_fill(cap, {"expert": 8}, True, 16384, 4096) == pytest.approx(0.8)
+    cap = dataclasses.replace(e, capacity_factor=1.25)
+    assert balanced_grouped_fill(m, cap, {"expert": 8}, True, 16384, 4096) == pytest.approx(0.8)
     # TP=8: every rank sorts all assignments and computes its eighth, in a bounded buffer of twice that
-    assert balanced_grouped_fill(m, {"tensor": 8}, False, 4096, 4096) == pytest.approx(1 / 2)
-    assert balanced_grouped_fill(worst, {"tensor": 8}, False, 4096, 4096) == pytest.approx(1 / 8)
-    assert balanced_grouped_fill(m, {"expert": 1}, True, 4096, 4096) == 1.0
+    assert balanced_grouped_fill(m, e, {"tensor": 8}, False, 4096, 4096) == pytest.approx(1 / 2)
+    assert balanced_grouped_fill(m, worst, {"tensor": 8}, False, 4096, 4096) == pytest.approx(1 / 8)
+    assert balanced_grouped_fill(m, e, {"expert": 1}, True, 4096, 4096) == 1.0

@@ -101,15 +101,15 @@ def test_mi300x_model_train_step_farskip_beats_regular(tmp_path: Path) -> None:
 
     Reduced for the default suite: 3 layers (2 MoE), 8192-token vocabulary, 1024 tokens per device
     (two compiles, about a minute on 2 cores). The exchange is the dense all_to_all
-    (ep_exchange=padded), the one this test has always measured: with the ragged exchange, FarSkip
+    (execution.ep_exchange=padded), the one this test has always measured: with the ragged exchange, FarSkip
     and regular hide about the same share of it on gfx942 (12.2% vs 11.7% measured), an open model
     question that this test of the MI300X path does not decide.
     """
     out = tmp_path / "insp"
     env = {"HOME": os.environ.get("HOME", "/root"), "PATH": "/usr/bin:/bin"}
     cmd = [sys.executable, "-m", "farskip_jax", "inspect", "--config", "dsv2lite_farskip",
-           "--set", "model.num_layers=3", "--set", "model.vocab_size=8192", "--set", "model.remat=none",
-           "--set", "model.ep_exchange=padded", "--set", "model.batch_split=1",
+           "--set", "model.num_layers=3", "--set", "model.vocab_size=8192", "--set", "execution.remat=none",
+           "--set", "execution.ep_exchange=padded", "--set", "execution.batch_split=1",
            "--seqs-per-device", "1", "--seq-len", "1024", "--no-save-hlo", "--no-timeline",
            "--target", "mi300x", "--mode", "train", "--compare-regular", "--out", str(out)]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

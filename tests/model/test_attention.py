@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 from hf_tiny import record
 
-from farskip_jax.config import ConfigError, ModelConfig
+from farskip_jax.config import ConfigError, ExecutionConfig, ModelConfig
 from farskip_jax.model.attention import MLAttention, attention_core, reference_attention
 from farskip_jax.model.flash import blockwise_attention
 
@@ -179,23 +179,23 @@ def test_no_t_by_t_array_in_compiled_hlo() -> None:
 
 TINY = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=32, moe_intermediate_size=8, num_layers=1,
                    num_heads=4, kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
-                   v_head_dim=6, n_routed_experts=4, num_experts_per_tok=2, attention_block_q=8,
-                   attention_block_kv=8)
+                   v_head_dim=6, n_routed_experts=4, num_experts_per_tok=2)
+TINY_EXE = ExecutionConfig(attention_block_q=8, attention_block_kv=8)
 
 
 def test_mlattention_dispatch() -> None:
-    """The module honours cfg.attention: auto/blockwise equal the reference (auto is blockwise on the
+    """The module honours execution.attention: auto/blockwise equal the reference (auto is blockwise on the
     CPU); cudnn, and tokamax where no fused kernel exists (the CPU), are clear errors."""
     x = jax.random.normal(jax.random.key(1), (2, 21, TINY.hidden_size))
     pos = jnp.broadcast_to(jnp.arange(21), (2, 21))
     seg = jnp.asarray(_packed_segments(21, [9]))
     outs = {}
     for impl in ("auto", "blockwise", "reference"):
-        module = MLAttention(dataclasses.replace(TINY, attention=impl), nnx.Rngs(0))
+        module = MLAttention(TINY, nnx.Rngs(0), exe=dataclasses.replace(TINY_EXE, attention=impl))
         outs[impl] = module(x, pos, seg)
     assert _max_err(outs["auto"], outs["reference"]) <= BAR
     assert _max_err(outs["blockwise"], outs["reference"]) <= BAR
-    with pytest.raises(ConfigError, match="model.attention=cudnn is not supported for MLA.*12 vs 6"):
-        MLAttention(dataclasses.replace(TINY, attention="cudnn"), nnx.Rngs(0))(x, pos, seg)
-    with pytest.raises(ConfigError, match="model.attention=tokamax: no fused attention kernel"):
-        MLAttention(dataclasses.replace(TINY, attention="tokamax"), nnx.Rngs(0))(x, pos, seg)
+    with pytest.raises(ConfigError, match="execution.attention=cudnn is not supported for MLA.*12 vs 6"):
+        MLAttention(TINY, nnx.Rngs(0), exe=dataclasses.replace(TINY_EXE, attention="cudnn"))(x, pos, seg)
+    with pytest.raises(ConfigError, match="execution.attention=tokamax: no fused attention kernel"):
+        MLAttention(TINY, nnx.Rngs(0), exe=dataclasses.replace(TINY_EXE, attention="tokamax"))(x, pos, seg)

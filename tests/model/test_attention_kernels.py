@@ -194,7 +194,7 @@ def test_attention_core_on_cpu_is_blockwise_with_grouped_heads() -> None:
     seg = jnp.asarray(_segments(t, lengths))
     got = jax.jit(lambda q, k, v: attention_core(q, k, v, seg, SCALE, "auto", 8, 8))(q, k, v)
     assert _err(got, _reference(q, k, v, seg)) <= BAR
-    with pytest.raises(ConfigError, match="model.attention=tokamax"):
+    with pytest.raises(ConfigError, match="execution.attention=tokamax"):
         attention_core(q, k, v, seg, SCALE, "tokamax")
 
 

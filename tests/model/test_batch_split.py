@@ -1,4 +1,4 @@
-"""`model.batch_split`: whole-sequence chunks through every layer equal the unsplit model (fp32).
+"""`execution.batch_split`: whole-sequence chunks through every layer equal the unsplit model (fp32).
 
 Model: tiny with 3 layers (dense, first MoE = a parallel block under FarSkip, MoE with two
 streams). Checks logits, the aux values (dropped fraction, sequence-wise balance losses: exact for
@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
-from par_common import count_ops, ids_and_weights, max_abs_err, run_fast, split, tiny  # noqa: E402
+from par_common import count_ops, ids_and_weights, max_abs_err, run_fast, split, tiny, tiny_exe  # noqa: E402
 
 from farskip_jax.config import ConfigError, MeshConfig  # noqa: E402
 from farskip_jax.model.transformer import _join_batch, _split_batch  # noqa: E402
@@ -30,8 +30,13 @@ TOL = 1e-6
 B, T = 16, 8  # EP=8: 2 sequences per device, one per chunk
 
 
-def _cfg(farskip: bool, **overrides):
-    return tiny(farskip, **{"num_layers": 3, "capacity_factor": 0.0, **overrides})
+def _cfg(farskip: bool):
+    return tiny(farskip, num_layers=3)
+
+
+def _exe(**overrides):
+    """configs/tiny.yaml's execution (dropless) with `overrides`."""
+    return tiny_exe(**{"capacity_factor": 0.0, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +44,10 @@ def data():
     return ids_and_weights(_cfg(False), B, T)
 
 
-def _run(cfg, state, ids, w, mesh=None):
-    """(logits, aux, grads) of mean(logits * w) + balance losses; EP over `mesh` when given."""
-    graphdef, _ = split(cfg)
+def _run(cfg, exe, state, ids, w, mesh=None):
+    """(logits, aux, grads) of mean(logits * w) + balance losses of `cfg` run as `exe`; EP over `mesh`
+    when given."""
+    graphdef, _ = split(cfg, exe=exe)
     par = None
     if mesh is not None:
         par, state = ExpertParallel(mesh), place(state, mesh, "ep")
@@ -79,11 +85,11 @@ SLOW = {(False, "one_device_stagger"), (False, "one_device_capacity"), (False, "
     for c in CASES for f in (False, True)])
 def test_batch_split_equals_unsplit(data, case, farskip):
     ids, w = data
-    base = _cfg(farskip, **CASES[case])
-    _, state = split(base)
+    cfg, base = _cfg(farskip), _exe(**CASES[case])
+    _, state = split(cfg, exe=base)
     mesh = make_mesh(MESHES[case.split("_")[0]]) if not case.startswith("one_device") else None
-    ref = _run(base, state, ids, w, mesh)
-    got = _run(dataclasses.replace(base, batch_split=2), state, ids, w, mesh)
+    ref = _run(cfg, base, state, ids, w, mesh)
+    got = _run(cfg, dataclasses.replace(base, batch_split=2), state, ids, w, mesh)
     errs = [max_abs_err(a, b) for a, b in zip(got, ref, strict=True)]
     print(f"BATCH_SPLIT case={case} {'farskip' if farskip else 'regular'} logits={errs[0]:.3e} "
           f"aux={errs[1]:.3e} grads={errs[2]:.3e}")
@@ -114,18 +120,18 @@ def test_split_moves_no_data_between_devices():
 
 def test_batch_not_divisible(data):
     ids, _ = data
-    model = nnx.merge(*split(_cfg(False, batch_split=3)))
+    model = nnx.merge(*split(_cfg(False), exe=_exe(batch_split=3)))
     with pytest.raises(ValueError, match="batch_split=3 does not divide the 16 sequences per device"):
         model(ids)
-    model = nnx.merge(*split(_cfg(False, batch_split=4)))
+    model = nnx.merge(*split(_cfg(False), exe=_exe(batch_split=4)))
     with pytest.raises(ValueError, match="batch_split=4 does not divide the 2 sequences per device"):
         jax.eval_shape(lambda i: model(i, parallel=ExpertParallel(make_mesh(MeshConfig(expert=8)))), ids)
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"batch_split": 0}, "batch_split must be > 0"),
-    ({"batch_split": 2, "layer_loop": "scan"}, "batch_split > 1 needs model.layer_loop=unrolled"),
+    ({"batch_split": 0}, "execution.batch_split must be > 0"),
+    ({"batch_split": 2, "layer_loop": "scan"}, "batch_split > 1 needs execution.layer_loop=unrolled"),
 ])
 def test_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        dataclasses.replace(_cfg(False), **overrides).validate()
+        dataclasses.replace(_exe(), **overrides).validate()

@@ -3,15 +3,13 @@
 Pieces: the capacity rule (highest router weight first, ties to the lower token index, per
 sequence and expert), the stable sort with its group boundaries and inverse, the two grouped
 GEMMs (ragged_dot and the padded buffer) against a per-row SwiGLU, and the whole routed layer and
-model with expert_matmul ragged vs padded (fp32, <= 1e-6). Also: no [assignments, experts]
+model with execution.expert_matmul ragged vs padded (fp32, <= 1e-6). Also: no [assignments, experts]
 intermediate (no one-hot) anywhere in the routed computation; the row placement pair
 (place_rows / take_rows, custom VJPs over fresh zero buffers) against plain indexing, values and
 gradients, dropped rows included.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +27,10 @@ RAGGED_VS_PADDED_TOL = 1e-6
 
 def tiny_cfg(**overrides):
     return load_config("tiny", {f"model.{k}": v for k, v in overrides.items()}).model
+
+
+def tiny_exe(**overrides):
+    return load_config("tiny", {f"execution.{k}": v for k, v in overrides.items()}).execution
 
 
 def random_routing(rng: np.random.Generator, n: int, k: int, e: int, levels: int | None = None):
@@ -78,12 +80,14 @@ def test_capacity_keep_matches_numpy(capacity, levels):
 
 
 def test_expert_capacity_rule():
-    cfg = tiny_cfg(capacity_factor=1.25)  # 8 experts, top-2
-    assert dispatch.expert_capacity(32, cfg) == 10  # ceil(1.25 * 32 * 2 / 8)
-    assert dispatch.expert_capacity(3, cfg) == 1
-    assert dispatch.expert_capacity(32, tiny_cfg(capacity_factor=100.0)) == 32  # an expert sees a token once
-    assert dispatch.expert_capacity(32, tiny_cfg(capacity_factor=0.0)) == 0  # dropless
-    assert dispatch.rows_per_expert(64, 32, cfg) == 20 and dispatch.rows_per_expert(64, 32, tiny_cfg()) == 64
+    cfg, exe = tiny_cfg(), tiny_exe(capacity_factor=1.25)  # 8 experts, top-2
+    assert dispatch.expert_capacity(32, cfg, exe) == 10  # ceil(1.25 * 32 * 2 / 8)
+    assert dispatch.expert_capacity(3, cfg, exe) == 1
+    # an expert sees a token once
+    assert dispatch.expert_capacity(32, cfg, tiny_exe(capacity_factor=100.0)) == 32
+    assert dispatch.expert_capacity(32, cfg, tiny_exe(capacity_factor=0.0)) == 0  # dropless
+    assert dispatch.rows_per_expert(64, 32, cfg, exe) == 20
+    assert dispatch.rows_per_expert(64, 32, cfg, tiny_exe()) == 64
 
 
 def test_sort_by_group_is_stable_with_inverse_and_counts():
@@ -133,8 +137,7 @@ def moe_outputs():
     outs = {}
     for cf in (0.0, 0.5):
         for matmul in ("ragged", "padded"):
-            cfg = tiny_cfg(capacity_factor=cf, expert_matmul=matmul)
-            moe = MoE(cfg, nnx.Rngs(0))
+            moe = MoE(tiny_cfg(), nnx.Rngs(0), exe=tiny_exe(capacity_factor=cf, expert_matmul=matmul))
             for w in (moe.experts.w_gate, moe.experts.w_up, moe.experts.w_down, moe.router):
                 w[...] = w[...] * 8.0  # std 0.16: outputs of order 1, so 1e-6 is a real bar
             graphdef, state = nnx.split(moe)
@@ -164,7 +167,7 @@ def test_model_ragged_equals_padded():
     ids = jax.random.randint(jax.random.key(1), (2, 16), 0, 128)
     logits = {}
     for matmul in ("ragged", "padded"):
-        model = build_model(dataclasses.replace(tiny_cfg(), expert_matmul=matmul), seed=0)
+        model = build_model(tiny_cfg(), seed=0, exe=tiny_exe(expert_matmul=matmul))
         graphdef, state = nnx.split(model)
         logits[matmul] = jax.jit(lambda s, i, g=graphdef: nnx.merge(g, s)(i).logits)(state, ids)
     err = float(jnp.max(jnp.abs(logits["ragged"] - logits["padded"])))

@@ -50,7 +50,7 @@ from farskip_jax import hf_config
 from farskip_jax.checkpoint.convert import convert_hf_to_orbax
 from farskip_jax.checkpoint.hf_io import TensorSource
 from farskip_jax.checkpoint.to_hf import convert_orbax_to_hf
-from farskip_jax.config import MeshConfig, TrainConfig
+from farskip_jax.config import ExecutionConfig, MeshConfig, TrainConfig
 from farskip_jax.generation import Generator
 from farskip_jax.model.farskip import REGULAR
 from farskip_jax.model.moe import MoE
@@ -166,8 +166,8 @@ def test_router_bias_gets_no_update():
     """The correction bias is a parameter (checkpoints carry it) that training never changes: no
     gradient reaches it, no weight decay, so an AdamW step leaves it bit for bit."""
     # The padded expert matmul compiles fastest on CPU; the router is the same either way.
-    cfg = hf_config.model_config(tiny_dsv3_config().to_dict(), expert_matmul="padded")
-    moe = MoE(cfg, nnx.Rngs(0))
+    cfg = hf_config.model_config(tiny_dsv3_config().to_dict())
+    moe = MoE(cfg, nnx.Rngs(0), exe=ExecutionConfig(expert_matmul="padded"))
     moe.router_bias[...] = jnp.linspace(-0.5, 0.5, cfg.n_routed_experts)
     graphdef, params = nnx.split(moe, nnx.Param)
     x = jax.random.normal(jax.random.key(0), (2, 8, cfg.hidden_size))

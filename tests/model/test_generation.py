@@ -184,7 +184,7 @@ def test_tensor_parallel_overflow_fallback_equals_one_device(farskip_case):
 
     if jax.device_count() < 4:
         pytest.skip("needs 4 host devices (tests/conftest.py sets 8)")
-    tight = build_model(dataclasses.replace(model.cfg, moe_buffer_factor=1.0))
+    tight = build_model(model.cfg, exe=dataclasses.replace(model.exe, moe_buffer_factor=1.0))
     nnx.update(tight, nnx.state(model))
     tp = Generator(tight, mesh=make_mesh(MeshConfig(tensor=4)))
     prompts = padded(PROMPTS)

@@ -61,8 +61,9 @@ def test_model_decode_through_the_kernel_equals_the_einsums(monkeypatch):
     """The wiring in MLAttention.decode (absorbed query, cache write, W_UV after): a tiny DSV2-shaped
     model with kernel-sized latent widths, prefill then 3 decode steps, once as the CPU runs it and
     once with the kernel forced (as on a GPU target), interpreted: the same logits."""
-    cfg = load_config("tiny", parse_overrides(["model.kv_lora_rank=32", "model.qk_rope_head_dim=16"])).model
-    model = farskip_jax.Transformer(cfg, nnx.Rngs(0))
+    run_cfg = load_config("tiny", parse_overrides(["model.kv_lora_rank=32", "model.qk_rope_head_dim=16"]))
+    cfg = run_cfg.model
+    model = farskip_jax.Transformer(cfg, nnx.Rngs(0), run_cfg.execution)
     ids = jnp.asarray([[5, 17, 3, 60, 22, 9, 41], [12, 7, 33, 2, 90, 14, 8]], jnp.int32)
     prompt = 4
 

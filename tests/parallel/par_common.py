@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from typing import Any
 
@@ -11,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from farskip_jax.config import ModelConfig, load_config
+from farskip_jax.config import ExecutionConfig, ModelConfig, load_config
 from farskip_jax.model.transformer import build_model, with_farskip
 
 # The tests check numerics and graph structure, not speed: XLA's CPU backend optimisation level
@@ -22,14 +21,12 @@ FAST = {"xla_backend_optimization_level": 0}
 RESULTS: list[tuple[str, str, str, float]] = []
 
 
-# configs/tiny.yaml's moe_buffer_factor, for tiny models built from HF config dicts (which carry none):
-# a 16-token shard's per-rank load swings far more than a real batch's, and at the production 2x the
-# sharded tests would mostly run the overflow fallback instead of the bounded program they check.
+# configs/tiny.yaml's execution.moe_buffer_factor, for tiny models built from HF config dicts (which
+# carry none): a 16-token shard's per-rank load swings far more than a real batch's, and at the
+# production 2x the sharded tests would mostly run the overflow fallback instead of the bounded
+# program they check.
 TINY_BUFFER_FACTOR = 4.0
-
-
-def with_tiny_buffers(cfg: ModelConfig) -> ModelConfig:
-    return dataclasses.replace(cfg, moe_buffer_factor=TINY_BUFFER_FACTOR)
+TINY_EXE = ExecutionConfig(moe_buffer_factor=TINY_BUFFER_FACTOR)
 
 
 def tiny(farskip: bool, **overrides: Any) -> ModelConfig:
@@ -38,14 +35,20 @@ def tiny(farskip: bool, **overrides: Any) -> ModelConfig:
     return with_farskip(cfg, enabled=farskip)
 
 
+def tiny_exe(**overrides: Any) -> ExecutionConfig:
+    """configs/tiny.yaml's execution section with dotted `execution.*` overrides (`remat="full"`)."""
+    return load_config("tiny", {f"execution.{k}": v for k, v in overrides.items()}).execution
+
+
 def ids_and_weights(cfg: ModelConfig, b: int, t: int) -> tuple[jax.Array, jax.Array]:
     """Random token ids [b, t] and per-logit loss weights [b, t, vocab] (fixed keys 1 and 2)."""
     ids = jax.random.randint(jax.random.key(1), (b, t), 0, cfg.vocab_size)
     return ids, jax.random.normal(jax.random.key(2), (b, t, cfg.vocab_size))
 
 
-def split(cfg: ModelConfig, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
-    return nnx.split(build_model(cfg, seed=seed), nnx.Param)
+def split(cfg: ModelConfig, seed: int = 0, exe: ExecutionConfig = TINY_EXE) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, params) of `cfg` run as `exe` (default: as configs/tiny.yaml runs its model)."""
+    return nnx.split(build_model(cfg, seed=seed, exe=exe), nnx.Param)
 
 
 def run_fast(fn: Any, *args: Any) -> Any:

@@ -1,4 +1,4 @@
-"""Optimistic dropless buffers (`model.moe_buffer_factor`) on 8 host devices.
+"""Optimistic dropless buffers (`execution.moe_buffer_factor`) on 8 host devices.
 
 The expert-parallel exchange sizes its receive buffers to factor x the rows balanced routing sends
 (`dispatch.moe_buffer`), detects an overflow from the all-gathered row counts, and then moves
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from par_common import FAST, emulated_ragged_all_to_all, tiny
+from par_common import FAST, emulated_ragged_all_to_all, tiny, tiny_exe
 
 from farskip_jax.config import MeshConfig, load_config
 from farskip_jax.model.dispatch import moe_buffer
@@ -55,18 +55,18 @@ def _reference(x: np.ndarray, r: Routing, ex: RoutedExperts) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def setup():
-    cfg = dataclasses.replace(tiny(False, n_routed_experts=E, num_experts_per_tok=K), moe_buffer_factor=1.0)
+    cfg = tiny(False, n_routed_experts=E, num_experts_per_tok=K)
     experts = RoutedExperts(cfg, nnx.Rngs(3))
     x = jax.random.normal(jax.random.key(4), (N, cfg.hidden_size))
-    return cfg, experts, x
+    return cfg, tiny_exe(moe_buffer_factor=1.0), experts, x
 
 
 @pytest.mark.parametrize("exchange", ["padded", "ragged"])
 @pytest.mark.parametrize("mesh_shape", [{"expert": 8}, {"data": 2, "expert": 4}], ids=["ep8", "dp2xep4"])
 @pytest.mark.parametrize("kind", ["balanced", "one_rank"])
 def test_bounded_exchange(setup, monkeypatch, exchange, mesh_shape, kind):
-    cfg, experts, x = setup
-    cfg = dataclasses.replace(cfg, ep_exchange=exchange)
+    cfg, exe, experts, x = setup
+    exe = dataclasses.replace(exe, ep_exchange=exchange)
     if exchange == "ragged":  # XLA:CPU has no ragged-all-to-all: its documented semantics
         monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
     mesh = make_mesh(MeshConfig(**mesh_shape))
@@ -75,7 +75,7 @@ def test_bounded_exchange(setup, monkeypatch, exchange, mesh_shape, kind):
     outs = {}
     for bounded in (True, False):
         par = ExpertParallel(mesh, bounded=bounded)
-        fn = jax.jit(lambda x, r, par=par: par.routed_fn(x, r, experts, cfg))
+        fn = jax.jit(lambda x, r, par=par: par.routed_fn(x, r, experts, cfg, exe))
         routed, aux = fn.lower(x, routing).compile(FAST)(x, routing)
         outs[bounded] = (np.asarray(routed), np.asarray(aux["moe_overflow"]))
     routed_b, overflow_b = outs[True]
@@ -94,12 +94,14 @@ def test_bounded_exchange(setup, monkeypatch, exchange, mesh_shape, kind):
 
 def test_buffer_rows_of_the_dsv2lite_step():
     """EP=8, batch split 2: 8192 tokens per chunk and rank, top-6 of 64 experts (8 per rank)."""
-    model = load_config("dsv2lite_farskip").model
-    tokens = 4 * 4096 // model.batch_split
-    buf = moe_buffer(model, tokens, ranks=8, seq_len=4096, sources=8)
+    cfg = load_config("dsv2lite_farskip")
+    model, exe = cfg.model, cfg.execution
+    tokens = 4 * 4096 // exe.batch_split
+    buf = moe_buffer(model, exe, tokens, ranks=8, seq_len=4096, sources=8)
     assert buf.worst == 8 * tokens * 6  # every source sends all of its rows to one rank
     assert buf.balanced == 8 * tokens * 6 / 8
-    assert buf.rows == 8 * int(np.ceil(model.moe_buffer_factor * buf.balanced / 8)) < buf.worst
-    assert moe_buffer(dataclasses.replace(model, moe_buffer_factor=0.0), tokens, 8, 4096, 8).rows == buf.worst
-    big = dataclasses.replace(model, moe_buffer_factor=100.0)
-    assert moe_buffer(big, tokens, 8, 4096, 8).rows == buf.worst
+    assert buf.rows == 8 * int(np.ceil(exe.moe_buffer_factor * buf.balanced / 8)) < buf.worst
+    worst = dataclasses.replace(exe, moe_buffer_factor=0.0)
+    assert moe_buffer(model, worst, tokens, 8, 4096, 8).rows == buf.worst
+    big = dataclasses.replace(exe, moe_buffer_factor=100.0)
+    assert moe_buffer(model, big, tokens, 8, 4096, 8).rows == buf.worst

@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from par_common import (
     FAST,
+    TINY_EXE,
     count_ops,
     emulated_ragged_all_to_all,
     max_abs_err,
@@ -41,10 +42,11 @@ from par_common import (
     run_fast,
     split,
     tiny,
+    tiny_exe,
 )
 
 import farskip_jax
-from farskip_jax.config import MeshConfig
+from farskip_jax.config import ExecutionConfig, MeshConfig
 from farskip_jax.model.moe import MoE, route
 from farskip_jax.parallel import (
     ExpertParallel,
@@ -136,7 +138,7 @@ def test_one_device_matches_hf(ckpt, one_device):
     assert float(jnp.std(one_device[0])) > 0.1  # logits of order 1: the bar means something
 
 
-# case -> (mesh, ModelConfig overrides, expert ranks per node: 0 = the flat exchange)
+# case -> (mesh, ExecutionConfig overrides, expert ranks per node: 0 = the flat exchange)
 CASES = {"ep8": ("ep8", {}, 0), "ep8_save_a2a": ("ep8", {"remat": "save_a2a"}, 0),
          "ep8_padded_matmul": ("ep8", {"expert_matmul": "padded"}, 0), "dp2xep4": ("dp2xep4", {}, 0),
          "tp8": ("tp8", {}, 0),
@@ -160,7 +162,8 @@ def _sharded_forward(ckpt, case: str, bounded: bool):
         return forward, place(state, mesh, "tp"), ids
     graphdef = ckpt["graphdef"]
     if overrides:
-        graphdef, _ = nnx.split(farskip_jax.from_pretrained(ckpt["dir"], **overrides), nnx.Param)
+        graphdef, _ = nnx.split(farskip_jax.from_pretrained(ckpt["dir"], exe=ExecutionConfig(**overrides)),
+                                nnx.Param)
     par = ExpertParallel(mesh, bounded=bounded, expert_per_node=per_node)
 
     def forward(s, i):
@@ -205,11 +208,11 @@ def test_ragged_exchange_emulated(ckpt, one_device, monkeypatch, per_node):
     """ep_exchange="ragged" on CPU: the offsets and sizes we pass, under the documented semantics;
     bounded (reports the overflow) and worst case (exact); the flat exchange and the node-aware one."""
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
-    model = farskip_jax.from_pretrained(ckpt["dir"], ep_exchange="ragged")
+    model = farskip_jax.from_pretrained(ckpt["dir"], exe=ExecutionConfig(ep_exchange="ragged"))
     graphdef, _ = nnx.split(model, nnx.Param)
     mesh = make_mesh(MESHES["ep8"])
     assert resolve_exchange("auto", mesh) == "padded"  # XLA:CPU
-    assert resolve_exchange(model.cfg.ep_exchange, mesh) == "ragged"
+    assert resolve_exchange(model.exe.ep_exchange, mesh) == "ragged"
     args = (place(ckpt["state"], mesh, "ep"), jax.device_put(ckpt["ids"], batch_sharding(mesh)), ckpt["w"])
     for bounded in (True, False):
         par = ExpertParallel(mesh, bounded=bounded, expert_per_node=per_node)
@@ -239,7 +242,7 @@ def test_save_a2a_backward_runs_no_extra_all_to_all():
     par = ExpertParallel(mesh)
     counts = {}
     for remat in ("full", "save_a2a"):
-        graphdef, state = split(tiny(True, num_layers=3, remat=remat))
+        graphdef, state = split(tiny(True, num_layers=3), exe=tiny_exe(remat=remat))
         args = (_abstract(state, param_shardings(state, mesh, "ep")),
                 jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=batch_sharding(mesh)))
 
@@ -272,7 +275,7 @@ def test_ragged_exchange_compiles_for_h200():
     mesh = aot.make_target_mesh("h200", {"data": 1, "expert": 8, "tensor": 1})
     assert resolve_exchange("auto", mesh) == "ragged"
     cfg = tiny(False, n_routed_experts=16, dtype="bfloat16")
-    graphdef, state = nnx.split(MoE(cfg, nnx.Rngs(0)), nnx.Param)
+    graphdef, state = nnx.split(MoE(cfg, nnx.Rngs(0), exe=TINY_EXE), nnx.Param)
     par = ExpertParallel(mesh)
     shardings = jax.tree_util.tree_map_with_path(
         lambda path, _: NamedSharding(mesh, P("expert") if "experts" in jax.tree_util.keystr(path) else P()),

@@ -1,4 +1,4 @@
-"""Capacity mode (capacity_factor > 0): which assignments are dropped, on one device and EP=8.
+"""Capacity mode (execution.capacity_factor > 0): which assignments are dropped, on one device and EP=8.
 
 The rule (model/dispatch.py): ceil(cf * T * K / E) assignments per expert per sequence; inside
 each (sequence, expert) the highest router weights are kept, ties going to the lower token index.
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from par_common import FAST, max_abs_err, record, run_fast, tiny
+from par_common import FAST, max_abs_err, record, run_fast, tiny, tiny_exe
 
 from farskip_jax.config import MeshConfig
 from farskip_jax.model import moe as moe_module
@@ -53,9 +53,9 @@ def numpy_keep(experts_nk: np.ndarray, weights_nk: np.ndarray, seq_len: int, cap
     return keep
 
 
-def capacity(cfg) -> int:
+def capacity(cfg, exe) -> int:
     """The capacity rule written out (cross-checks `expert_capacity`)."""
-    return max(1, min(math.ceil(cfg.capacity_factor * T * cfg.num_experts_per_tok / cfg.n_routed_experts), T))
+    return max(1, min(math.ceil(exe.capacity_factor * T * cfg.num_experts_per_tok / cfg.n_routed_experts), T))
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def mesh():
     return make_mesh(MeshConfig(expert=8))
 
 
-def capacity_margin(model, ids, cfg, monkeypatch) -> float:
+def capacity_margin(model, ids, cfg, exe, monkeypatch) -> float:
     """Smallest gap, over every MoE layer, sequence and expert, between the router weight of the last
     kept and of the first dropped assignment (one device, eager).
 
@@ -83,7 +83,7 @@ def capacity_margin(model, ids, cfg, monkeypatch) -> float:
     monkeypatch.setattr(moe_module, "route", spy)
     model(ids)
     monkeypatch.setattr(moe_module, "route", real_route)
-    cap, margin = expert_capacity(T, cfg), np.inf
+    cap, margin = expert_capacity(T, cfg, exe), np.inf
     for experts, weights in seen:
         for s in range(B):
             e_s, w_s = experts[s * T:(s + 1) * T].ravel(), weights[s * T:(s + 1) * T].ravel()
@@ -99,8 +99,8 @@ def capacity_margin(model, ids, cfg, monkeypatch) -> float:
 # checks the weight order on one device and EP=8.
 @pytest.mark.parametrize("routers", ["zero", pytest.param("random", marks=pytest.mark.slow)])
 def test_step_drops_the_same_on_one_device_and_ep(mesh, routers, monkeypatch):
-    cfg = tiny(True, num_layers=3, capacity_factor=CAPACITY_FACTOR)
-    model = build_model(cfg)
+    cfg, exe = tiny(True, num_layers=3), tiny_exe(capacity_factor=CAPACITY_FACTOR)
+    model = build_model(cfg, exe=exe)
     if routers == "zero":
         for i, layer in enumerate(model.layers):
             if cfg.is_moe_layer(i):
@@ -110,7 +110,7 @@ def test_step_drops_the_same_on_one_device_and_ep(mesh, routers, monkeypatch):
     # Seed 3 had a pair 0 apart at a boundary under jaxlib 0.12 (FarSkip layer 1; see capacity_margin).
     ids = jax.random.randint(jax.random.key(4), (B, T), 0, cfg.vocab_size)
     if routers == "random":
-        margin = capacity_margin(model, ids, cfg, monkeypatch)
+        margin = capacity_margin(model, ids, cfg, exe, monkeypatch)
         print(f"PARALLEL_DROPS random routers: smallest kept-vs-dropped weight gap {margin:.3g}")
         assert margin > 1e-6
 
@@ -128,10 +128,10 @@ def test_step_drops_the_same_on_one_device_and_ep(mesh, routers, monkeypatch):
     print(f"PARALLEL_DROPS routers={routers} {measured}")
     assert measured["one_device"] == measured["ep8"]
     if routers == "zero":
-        assert capacity(cfg) == expert_capacity(T, cfg) == 2
+        assert capacity(cfg, exe) == expert_capacity(T, cfg, exe) == 2
         experts = np.tile(np.arange(cfg.num_experts_per_tok), (B * T, 1))  # the tie-broken choice
         weights = np.full(experts.shape, 1.0 / cfg.n_routed_experts)
-        expected = 1.0 - numpy_keep(experts, weights, T, capacity(cfg)).mean()  # the same in every layer
+        expected = 1.0 - numpy_keep(experts, weights, T, capacity(cfg, exe)).mean()  # the same in every layer
         record("drops", "step/zero_router", "dropped_fraction", abs(measured["ep8"] - expected))
         assert expected == pytest.approx(0.875)  # the case is adversarial
         assert measured["ep8"] == pytest.approx(expected, abs=1e-6)
@@ -146,8 +146,8 @@ def test_step_drops_the_same_on_one_device_and_ep(mesh, routers, monkeypatch):
 
 @pytest.fixture(scope="module")
 def huge_column_moe():
-    cfg = tiny(True, num_layers=2, capacity_factor=CAPACITY_FACTOR)
-    moe = build_model(cfg, seed=1).layers[1].moe
+    cfg, exe = tiny(True, num_layers=2), tiny_exe(capacity_factor=CAPACITY_FACTOR)
+    moe = build_model(cfg, seed=1, exe=exe).layers[1].moe
     d = cfg.hidden_size
     u = jnp.ones((d,)) / math.sqrt(d)
     x = 3.0 * u + 0.1 * jax.random.normal(jax.random.key(4), (B, T, d))
@@ -156,10 +156,10 @@ def huge_column_moe():
     routing = jax.jit(lambda x: route(x, moe.router[...], cfg, T)).lower(x_nd).compile(FAST)(x_nd)
     experts, weights = np.asarray(routing.experts_nk), np.asarray(routing.weights_nk)
     assert (experts == np.array([5, 6])).all()  # every token to the same two experts
-    keep = numpy_keep(experts, weights, T, capacity(cfg))
+    keep = numpy_keep(experts, weights, T, capacity(cfg, exe))
     # Meaningful: highest-weight is not first-come (the first `capacity` tokens of each sequence).
     first_come = np.zeros_like(keep)
-    first_come.reshape(B, T, -1)[:, :capacity(cfg)] = True
+    first_come.reshape(B, T, -1)[:, :capacity(cfg, exe)] = True
     assert (keep != first_come).any()
     return cfg, moe, x, x_nd, experts, weights, keep
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from par_common import ids_and_weights, max_abs_err, record, run_fast, with_tiny_buffers
+from par_common import TINY_EXE, ids_and_weights, max_abs_err, record, run_fast
 
 from farskip_jax import hf_config
 from farskip_jax.config import MeshConfig
@@ -33,9 +33,9 @@ DSV3_TINY = {
 
 
 def test_ep4_equals_single_device():
-    cfg = with_tiny_buffers(with_farskip(hf_config.model_config(DSV3_TINY), enabled=True))
+    cfg = with_farskip(hf_config.model_config(DSV3_TINY), enabled=True)
     assert cfg.router_bias and cfg.attn_output_gate
-    model = build_model(cfg, seed=3)
+    model = build_model(cfg, seed=3, exe=TINY_EXE)
     for i in (1, 2):  # a bias that changes the choice (build_model starts it at zero)
         model.layers[i].moe.router_bias[...] = jax.random.normal(jax.random.key(i), (16,)) * 0.3
     graphdef, state = nnx.split(model, nnx.Param)

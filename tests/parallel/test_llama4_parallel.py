@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from par_common import ids_and_weights, max_abs_err, record, run_fast, with_tiny_buffers
+from par_common import TINY_EXE, ids_and_weights, max_abs_err, record, run_fast
 
 from farskip_jax import hf_config
 from farskip_jax.config import MeshConfig, ModelConfig
@@ -38,7 +38,7 @@ LLAMA4_TINY = {
 
 
 def _cfg(farskip: bool) -> ModelConfig:
-    return with_tiny_buffers(with_farskip(hf_config.model_config(LLAMA4_TINY), enabled=farskip))
+    return with_farskip(hf_config.model_config(LLAMA4_TINY), enabled=farskip)
 
 
 def _loss_fn(forward):
@@ -54,7 +54,7 @@ def reference(request):
     cfg = _cfg(request.param)
     assert cfg.nope_layers == (1,) and cfg.is_moe_layer(1) and not cfg.is_moe_layer(0)
     assert cfg.expert_input_scaling and cfg.attention_chunk_size == 4
-    graphdef, state = nnx.split(build_model(cfg, seed=3), nnx.Param)
+    graphdef, state = nnx.split(build_model(cfg, seed=3, exe=TINY_EXE), nnx.Param)
     ids, w = ids_and_weights(cfg, B, T)
     loss = _loss_fn(lambda s, ids: nnx.merge(graphdef, s)(ids).logits)
     (value, logits), grads = run_fast(jax.value_and_grad(loss, has_aux=True), state, ids, w)

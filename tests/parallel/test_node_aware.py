@@ -16,7 +16,6 @@ The one-rank model checkpoint of test_dropless_ep.py runs these meshes too (its 
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import types
 
@@ -35,6 +34,7 @@ from par_common import (
     run_fast,
     split,
     tiny,
+    tiny_exe,
 )
 
 from farskip_jax.config import MeshConfig
@@ -74,12 +74,12 @@ def test_buffer_rows_of_the_ep32_step():
     receives what the flat exchange's receive buffer holds (2 N K)."""
     from farskip_jax.config import load_config
 
-    model = load_config("dsv2lite_farskip").model
+    cfg = load_config("dsv2lite_farskip")
     q = expected_nodes_per_token(64, 4, 6)
     assert q == pytest.approx(4 * (1 - 12271512 / 74974368))
     assert 3 * q / 4 == pytest.approx(2.51, abs=0.01)
     n = 8192
-    rows = stage_rows(model, n, expert=32, expert_per_node=8, seq_len=4096)
+    rows = stage_rows(cfg.model, cfg.execution, n, expert=32, expert_per_node=8, seq_len=4096)
     assert rows["send1"] == rows["recv1"] == rows["worst_recv1"] == 4 * n
     assert rows["send2"] == rows["recv2"] == 2 * n * 6
     assert rows["worst_recv2"] == 32 * n * 2
@@ -97,9 +97,9 @@ def _routing(kind: str, seed: int = 0) -> Routing:
 
 @pytest.fixture(scope="module")
 def routed_setup():
-    # 2x balanced (production's factor): below the worst case on every mesh here, so one-rank routing
-    # overflows; random routing stays under it (checked)
-    cfg = dataclasses.replace(tiny(False, n_routed_experts=E, num_experts_per_tok=K), moe_buffer_factor=2.0)
+    # the tests run 2x balanced (production's factor, with the exchange): below the worst case on
+    # every mesh here, so one-rank routing overflows; random routing stays under it (checked)
+    cfg = tiny(False, n_routed_experts=E, num_experts_per_tok=K)
     ex = RoutedExperts(cfg, nnx.Rngs(3))
     w = tuple(jnp.asarray(v[...]) for v in (ex.w_gate, ex.w_up, ex.w_down))
     x = jax.random.normal(jax.random.key(4), (N, cfg.hidden_size))
@@ -107,11 +107,11 @@ def routed_setup():
     return cfg, w, x, ct
 
 
-def _routed_loss(fn, cfg, ct):
+def _routed_loss(fn, cfg, exe, ct):
     """(x, router weights, w_gate, w_up, w_down) -> (sum(routed * ct), (routed, overflow))."""
     def loss(x, weights, experts_nk, wg, wu, wd):
         ex = types.SimpleNamespace(w_gate=wg, w_up=wu, w_down=wd)
-        routed, aux = fn(x, Routing(weights, experts_nk, {}, T), ex, cfg)
+        routed, aux = fn(x, Routing(weights, experts_nk, {}, T), ex, cfg, exe)
         return jnp.sum(routed * ct), (routed, aux["moe_overflow"])
 
     return jax.value_and_grad(loss, argnums=(0, 1, 3, 4, 5), has_aux=True)
@@ -122,17 +122,17 @@ def _routed_loss(fn, cfg, ct):
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 def test_routed_experts_equal_one_device(routed_setup, monkeypatch, mesh_name, exchange, kind):
     cfg, w, x, ct = routed_setup
-    cfg = dataclasses.replace(cfg, ep_exchange=exchange)
+    exe = tiny_exe(moe_buffer_factor=2.0, ep_exchange=exchange)
     if exchange == "ragged":
         monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
     r = _routing(kind)
     args = (x, r.weights_nk, r.experts_nk, *w)
-    (_, (ref, _)), ref_grads = run_fast(_routed_loss(local_routed, cfg, ct), *args)
+    (_, (ref, _)), ref_grads = run_fast(_routed_loss(local_routed, cfg, exe, ct), *args)
     mesh_cfg, per_node = MESHES[mesh_name]
     mesh = make_mesh(mesh_cfg)
     for bounded in (True, False):
         par = ExpertParallel(mesh, bounded=bounded, expert_per_node=per_node)
-        lowered = jax.jit(_routed_loss(par.routed_fn, cfg, ct)).lower(*args)
+        lowered = jax.jit(_routed_loss(par.routed_fn, cfg, exe, ct)).lower(*args)
         if exchange == "ragged":
             assert "ragged_all_to_all" not in lowered.as_text()  # the emulation ran, not the real op
         (_, (routed, overflow)), grads = lowered.compile(FAST)(*args)
@@ -152,19 +152,22 @@ def test_routed_experts_equal_one_device(routed_setup, monkeypatch, mesh_name, e
     assert all(float(jnp.max(jnp.abs(g))) > 1e-4 for g in ref_grads)
 
 
-def _model_cfg(farskip: bool, exchange: str):
-    return tiny(farskip, num_layers=3, num_heads=8, n_routed_experts=16, capacity_factor=0.0,
-                ep_exchange=exchange)
+def _model_cfg(farskip: bool):
+    return tiny(farskip, num_layers=3, num_heads=8, n_routed_experts=16)
+
+
+def _model_exe(exchange: str):
+    return tiny_exe(capacity_factor=0.0, ep_exchange=exchange)
 
 
 @pytest.fixture(scope="module")
 def model_data():
-    return ids_and_weights(_model_cfg(False, "padded"), 8, 16)
+    return ids_and_weights(_model_cfg(False), 8, 16)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["regular", "farskip"])
 def model_reference(request, model_data):
-    graphdef, state = split(_model_cfg(request.param, "padded"))
+    graphdef, state = split(_model_cfg(request.param), exe=_model_exe("padded"))
     ids, w = model_data
 
     def loss(s, ids, w):
@@ -186,7 +189,7 @@ def test_model_equals_one_device(model_reference, model_data, monkeypatch, case)
     mesh_name, exchange = case.split("-")
     if exchange == "ragged":
         monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
-    graphdef, _ = split(_model_cfg(farskip, exchange))
+    graphdef, _ = split(_model_cfg(farskip), exe=_model_exe(exchange))
     mesh_cfg, per_node = MESHES[mesh_name]
     mesh = make_mesh(mesh_cfg)
     par = ExpertParallel(mesh, expert_per_node=per_node)
@@ -218,7 +221,7 @@ def test_collectives_per_layer():
     par = ExpertParallel(mesh, expert_per_node=4)
     counts = {}
     for remat in ("none", "save_a2a", "full"):
-        graphdef, state = split(tiny(True, num_layers=3, remat=remat))
+        graphdef, state = split(tiny(True, num_layers=3), exe=tiny_exe(remat=remat))
         args = (_abstract(state, param_shardings(state, mesh, "ep")),
                 jax.ShapeDtypeStruct((8, 16), jnp.int32, sharding=batch_sharding(mesh)))
 

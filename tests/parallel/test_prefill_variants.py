@@ -1,5 +1,6 @@
-"""Tensor-parallel prefill variants (model.tp_microbatches, model.tp_reduce, model.tp_order_barriers)
-and the experimental model.farskip.stale_blocks=2 under every parallel layout.
+"""Tensor-parallel prefill variants (execution.tp_microbatches, execution.tp_reduce,
+execution.tp_order_barriers) and the experimental model.farskip.stale_blocks=2 under every parallel
+layout.
 
 The TP variants change only how the sums are formed and scheduled, so their logits must equal the
 plain TP forward's (one chunk, psum, barriers on) to <= 1e-6 and the single-device model's to
@@ -11,15 +12,13 @@ variant is made of, and the dependencies that let XLA overlap them. Model: tiny 
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from par_common import FAST, count_ops, max_abs_err, record, run_fast, split, tiny
+from par_common import FAST, count_ops, max_abs_err, record, run_fast, split, tiny, tiny_exe
 
-from farskip_jax.config import ConfigError, MeshConfig, ModelConfig, override
+from farskip_jax.config import ConfigError, ExecutionConfig, MeshConfig, ModelConfig, override
 from farskip_jax.inspect.deps import build_graph, scope_regex
 from farskip_jax.parallel import ExpertParallel, batch_sharding, make_mesh, param_shardings, place, tp_forward
 
@@ -38,15 +37,23 @@ VARIANTS = {
 NO_CPU_COMBINER = dict(FAST, xla_disable_hlo_passes="cpu-all-reduce-combiner")
 
 
-def _cfg(connectivity: str, **variant) -> ModelConfig:
-    cfg = override(tiny(False, num_layers=4, num_heads=8, n_routed_experts=16, capacity_factor=0.0),
-                   CONNECTIVITY[connectivity], "model")
-    return dataclasses.replace(cfg, **variant)
+Run = tuple[ModelConfig, ExecutionConfig]
+
+
+def _cfg(connectivity: str, **variant) -> Run:
+    """(the model of `connectivity`, configs/tiny.yaml's execution (dropless) with the `variant`)."""
+    cfg = override(tiny(False, num_layers=4, num_heads=8, n_routed_experts=16), CONNECTIVITY[connectivity],
+                   "model")
+    return cfg, tiny_exe(capacity_factor=0.0, **variant)
+
+
+def _split(run: Run):
+    return split(run[0], exe=run[1])
 
 
 @pytest.fixture(scope="module")
 def ids():
-    return jax.random.randint(jax.random.key(1), (B, T), 0, _cfg("regular").vocab_size)
+    return jax.random.randint(jax.random.key(1), (B, T), 0, _cfg("regular")[0].vocab_size)
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +61,8 @@ def mesh():
     return make_mesh(MeshConfig(tensor=8))
 
 
-def _tp_logits(cfg: ModelConfig, state, mesh, ids):
-    graphdef, _ = split(cfg)
+def _tp_logits(run: Run, state, mesh, ids):
+    graphdef, _ = _split(run)
     fwd = tp_forward(graphdef, state, mesh)
     return run_fast(lambda s, i: fwd(s, i)[0], place(state, mesh, "tp"), ids)
 
@@ -63,10 +70,10 @@ def _tp_logits(cfg: ModelConfig, state, mesh, ids):
 @pytest.fixture(scope="module", params=list(CONNECTIVITY))
 def reference(request, mesh, ids):
     """(connectivity, parameters, single-device logits, plain TP logits); parameters are shared."""
-    cfg = _cfg(request.param)
-    graphdef, state = split(cfg)
+    run = _cfg(request.param)
+    graphdef, state = _split(run)
     single = run_fast(lambda s, i: nnx.merge(graphdef, s)(i).logits, state, ids)
-    return request.param, state, single, _tp_logits(cfg, state, mesh, ids)
+    return request.param, state, single, _tp_logits(run, state, mesh, ids)
 
 
 def test_plain_tp_equals_single_device(reference):
@@ -97,7 +104,7 @@ def test_variant_equals_plain_tp(reference, variant, mesh, ids):
 
 def test_stale2_differs_from_farskip(mesh, ids):
     """The experimental model is another model: same parameters, logits moved by > 1e-2."""
-    graphdef, state = split(_cfg("farskip"))
+    graphdef, state = _split(_cfg("farskip"))
     farskip = run_fast(lambda s, i: nnx.merge(graphdef, s)(i).logits, state, ids)
     stale2 = _tp_logits(_cfg("stale2"), state, mesh, ids)
     assert max_abs_err(stale2, farskip) > 1e-2
@@ -107,9 +114,9 @@ def test_stale2_differs_from_farskip(mesh, ids):
                          ids=["ep8", "dp2xep4"])
 def test_stale2_expert_parallel_equals_single_device(mesh_cfg):
     """stale_blocks=2 in the training layout: the same recurrence, R from the all-to-alls."""
-    cfg = _cfg("stale2")
-    graphdef, state = split(cfg)
-    ids = jax.random.randint(jax.random.key(2), (8, T), 0, cfg.vocab_size)  # one sequence per device
+    run = _cfg("stale2")
+    graphdef, state = _split(run)
+    ids = jax.random.randint(jax.random.key(2), (8, T), 0, run[0].vocab_size)  # one sequence per device
     single = run_fast(lambda s, i: nnx.merge(graphdef, s)(i).logits, state, ids)
     ep_mesh = make_mesh(mesh_cfg)
     par = ExpertParallel(ep_mesh)
@@ -125,8 +132,7 @@ def test_stale2_expert_parallel_equals_single_device(mesh_cfg):
 
 def test_stale2_scan_equals_unrolled(ids):
     """The scan carry holds the Ladder (w = v = x for a parallel block)."""
-    cfg = _cfg("stale2")
-    graphdef, state = split(cfg)
+    graphdef, state = _split(_cfg("stale2"))
     unrolled = run_fast(lambda s, i: nnx.merge(graphdef, s)(i).logits, state, ids)
     scan = run_fast(lambda s, i: nnx.merge(graphdef, s)(i, layer_loop="scan").logits, state, ids)
     assert max_abs_err(scan, unrolled) <= PLAIN_TOL
@@ -136,8 +142,8 @@ def test_stale2_scan_equals_unrolled(ids):
 # What the compiled programs are made of
 
 
-def _hlo(cfg: ModelConfig, mesh, options=NO_CPU_COMBINER) -> str:
-    graphdef, state = split(cfg)
+def _hlo(run: Run, mesh, options=NO_CPU_COMBINER) -> str:
+    graphdef, state = _split(run)
     fwd = tp_forward(graphdef, state, mesh)
     args = (jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
                          param_shardings(state, mesh, "tp")),
@@ -204,22 +210,22 @@ def test_stale2_psums_have_two_sub_blocks(mesh):
 # Config validation
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"tp_microbatches": 2, "capacity_factor": 1.25}, "dropless"),
-    ({"tp_microbatches": 2, "layer_loop": "scan"}, "unrolled"),
-    ({"tp_microbatches": 0}, "tp_microbatches"),
-    ({"farskip.stale_blocks": 3}, "1 or 2"),
-    ({"farskip.stale_blocks": 2, "farskip.attn_only": True}, "attn_only"),
-    ({"tp_reduce": "ring"}, "tp_reduce"),
+@pytest.mark.parametrize("section, overrides, message", [
+    ("execution", {"tp_microbatches": 2, "capacity_factor": 1.25}, "dropless"),
+    ("execution", {"tp_microbatches": 2, "layer_loop": "scan"}, "unrolled"),
+    ("execution", {"tp_microbatches": 0}, "tp_microbatches"),
+    ("model", {"farskip.stale_blocks": 3}, "1 or 2"),
+    ("model", {"farskip.stale_blocks": 2, "farskip.attn_only": True}, "attn_only"),
+    ("execution", {"tp_reduce": "ring"}, "tp_reduce"),
 ])
-def test_invalid_options_are_rejected(overrides, message):
+def test_invalid_options_are_rejected(section, overrides, message):
+    model, exe = _cfg("farskip")
     with pytest.raises(ConfigError, match=message):
-        override(_cfg("farskip"), overrides, "model")
+        override(model if section == "model" else exe, overrides, section)
 
 
 def test_chunks_must_divide_the_tokens(mesh):
-    cfg = _cfg("farskip", tp_microbatches=3)
-    graphdef, state = split(cfg)
+    graphdef, state = _split(_cfg("farskip", tp_microbatches=3))
     fwd = tp_forward(graphdef, state, mesh)
     with pytest.raises(ValueError, match="does not divide"):
         jax.eval_shape(lambda s, i: fwd(s, i)[0], state, jnp.zeros((B, T), jnp.int32))
@@ -228,8 +234,8 @@ def test_chunks_must_divide_the_tokens(mesh):
 def test_order_barriers_only_where_asked(mesh, ids):
     """tp_order_barriers adds one join per FarSkip MoE layer with a stale stream (layers 2, 3) to
     the TP program, none without the option, and none to the single-device model."""
-    def barriers(cfg: ModelConfig, tp: bool) -> int:
-        graphdef, state = split(cfg)
+    def barriers(run: Run, tp: bool) -> int:
+        graphdef, state = _split(run)
         if tp:
             fwd = tp_forward(graphdef, state, mesh)
             text = jax.jit(lambda s, i: fwd(s, i)[0]).lower(state, ids).as_text()

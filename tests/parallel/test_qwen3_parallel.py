@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from par_common import ids_and_weights, max_abs_err, record, run_fast, with_tiny_buffers
+from par_common import TINY_EXE, ids_and_weights, max_abs_err, record, run_fast
 
 from farskip_jax import hf_config
 from farskip_jax.config import ConfigError, MeshConfig, ModelConfig
@@ -36,7 +36,7 @@ QWEN3_TINY = {
 
 
 def _cfg(farskip: bool) -> ModelConfig:
-    return with_tiny_buffers(with_farskip(hf_config.model_config(QWEN3_TINY), enabled=farskip))
+    return with_farskip(hf_config.model_config(QWEN3_TINY), enabled=farskip)
 
 
 def _loss_fn(forward):
@@ -49,7 +49,7 @@ def _loss_fn(forward):
 @pytest.fixture(scope="module", params=[False, True], ids=["regular", "farskip"])
 def reference(request):
     cfg = _cfg(request.param)
-    graphdef, state = nnx.split(build_model(cfg, seed=3), nnx.Param)
+    graphdef, state = nnx.split(build_model(cfg, seed=3, exe=TINY_EXE), nnx.Param)
     ids, w = ids_and_weights(cfg, B, T)
     loss = _loss_fn(lambda s, ids: nnx.merge(graphdef, s)(ids).logits)
     (value, logits), grads = run_fast(jax.value_and_grad(loss, has_aux=True), state, ids, w)
@@ -106,11 +106,11 @@ def test_tensor_split_must_divide_or_copy_kv_heads():
     """With 6 query and 3 key/value heads, TP=2 can neither split nor copy the key/value heads: refused
     before any compile."""
     cfg = dataclasses.replace(_cfg(False), num_heads=6, num_kv_heads=3)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg)), nnx.Param)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg, exe=TINY_EXE)), nnx.Param)
     with pytest.raises(ConfigError, match=r"mesh.tensor=2 does not split the model's key/value heads "
                                           r"\(3: neither a multiple nor a divisor of 2\)"):
         tp_forward(graphdef, state, make_mesh(MeshConfig(tensor=2)))
     biased = dataclasses.replace(_cfg(False), attention_bias=True)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(biased)), nnx.Param)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(biased, exe=TINY_EXE)), nnx.Param)
     with pytest.raises(ConfigError, match="attention_bias"):
         tp_forward(graphdef, state, make_mesh(MeshConfig(tensor=2)))

@@ -12,7 +12,7 @@ from flax import nnx
 from farskip_jax.config import load_config
 from farskip_jax.parallel import make_mesh
 from farskip_jax.train import setup
-from farskip_jax.train.program import build_program, teacher_config
+from farskip_jax.train.program import build_program, teacher_execution
 
 B, T = 4, 16
 
@@ -53,8 +53,8 @@ def test_kl_is_zero_at_step_0_without_farskip():
 # student and teacher); drop reporting at the model level stays in tests/parallel/test_drops.py.
 @pytest.mark.slow
 def test_teacher_is_dropless_and_drops_are_reported():
-    cfg = load_config("tiny_farskip", {"model.capacity_factor": 0.25, "train.warmup_steps": 0})
-    assert teacher_config(cfg).capacity_factor == 0.0
+    cfg = load_config("tiny_farskip", {"execution.capacity_factor": 0.25, "train.warmup_steps": 0})
+    assert teacher_execution(cfg).capacity_factor == 0.0
     prog = build_program(cfg, make_mesh(cfg.mesh))
     models = setup.build_models(cfg, prog)
     # The teacher never aliases the student's buffers (the step donates the student's).

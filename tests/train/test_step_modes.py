@@ -24,9 +24,9 @@ B, T = 4, 16
 def setup():
     cfg = load_config("tiny_farskip")
     tc = dataclasses.replace(cfg.train, warmup_steps=0, learning_rate=1e-3, grad_clip_norm=1e9)
-    graphdef, params = nnx.split(Transformer(cfg.model, nnx.Rngs(0)), nnx.Param)
+    graphdef, params = nnx.split(Transformer(cfg.model, nnx.Rngs(0), cfg.execution), nnx.Param)
     t_cfg = with_farskip(cfg.model, enabled=False)
-    t_graph, _ = nnx.split(Transformer(t_cfg, nnx.Rngs(0)), nnx.Param)
+    t_graph, _ = nnx.split(Transformer(t_cfg, nnx.Rngs(0), cfg.execution), nnx.Param)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, cfg.model.vocab_size, (B, T), dtype=np.int32)
     batch = {"input_ids": ids, "targets": np.roll(ids, -1, axis=1),

@@ -86,7 +86,7 @@ def _kl_of_the_first_batch(reference, student_farskip: bool) -> float:
     temperature = cfg.train.kl_temperature
 
     def logits(farskip: bool, params) -> np.ndarray:
-        graph, _ = nnx.split(build_model(with_farskip(cfg.model, enabled=farskip)))
+        graph, _ = nnx.split(build_model(with_farskip(cfg.model, enabled=farskip), exe=cfg.execution))
         model = nnx.merge(graph, jax.tree.map(jax.numpy.asarray, params))
         out = [model(host["input_ids"][a], host["positions"][a], host["segment_ids"][a]).logits
                for a in range(host["input_ids"].shape[0])]  # gradient-accumulation micro-batches
@@ -345,7 +345,7 @@ def test_moe_overflow_fallback_is_exact(cfg_for, tmp_path, reference):
     was (the step counter included) and is run again with the worst-case program, the re-runs are
     logged, and the losses equal the one-device run's."""
     cfg = cfg_for(tmp_path / "tight", **{"mesh.expert": 8, "train.total_steps": 3, "train.eval_every": 100,
-                                        "model.moe_buffer_factor": 1.0})
+                                        "execution.moe_buffer_factor": 1.0})
     tr = trainer_mod.Trainer(cfg)
     bounded_step, void_steps = tr.train_step, []
 
