@@ -375,11 +375,19 @@ class MeshConfig:
     data: int = 1
     expert: int = 1
     tensor: int = 1
+    # Expert ranks per node when the expert axis spans nodes: > 0 runs the node-aware two-stage
+    # exchange (parallel/node_aware.py: each token crosses to a node once, then fans out over the
+    # node's NVLink / xGMI). 0 (default), or >= expert: the flat exchange, one NIC crossing per
+    # (token, expert) pair beyond the node. The trainer's expert ranks must be laid out node by node
+    # (parallel.make_mesh does, one process per node).
+    expert_per_node: int = 0
 
     def validate(self) -> None:
         for name in ("data", "expert", "tensor"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"mesh.{name} must be >= 1, got {getattr(self, name)}")
+        if self.expert_per_node < 0:
+            raise ConfigError(f"mesh.expert_per_node must be >= 0, got {self.expert_per_node}")
         if self.tensor > 1 and self.expert > 1:
             raise ConfigError("mesh.tensor > 1 and mesh.expert > 1 together are not supported: the TP "
                               "layout splits experts over the tensor axis itself")

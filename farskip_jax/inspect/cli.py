@@ -88,6 +88,12 @@ def grouped_fill(args: argparse.Namespace) -> float:
     return getattr(args, "grouped_fill", 1.0)
 
 
+def declared_rows(args: argparse.Namespace) -> bool:
+    """Whether bounded ragged exchanges are charged the rows they declare (``costs.collective_bytes``):
+    with ``--moe-load balanced`` (the default), as grouped GEMMs are charged their balanced rows."""
+    return getattr(args, "moe_load", "balanced") == "balanced"
+
+
 def use_pgle(args: argparse.Namespace) -> bool:
     choice = getattr(args, "pgle", "off")
     return choice == "synthetic" or (choice == "auto" and args.target == "mi300x")
@@ -106,7 +112,8 @@ def _compile(fn: Any, specs: Sequence[Any], args: argparse.Namespace,
                                                    default_options=not args.no_default_options,
                                                    dump_lhs_schedule=args.lhs_dump,
                                                    profile_dir=profile_dir,
-                                                   grouped_fill=grouped_fill(args))
+                                                   grouped_fill=grouped_fill(args),
+                                                   declared_rows=declared_rows(args))
             return res.artifacts, {"pgle": {"profile": res.profile_path, "costs": res.num_costs,
                                             "checker": res.checker}, "_baseline": res.baseline}
         return aot.compile_scheduled_hlo(fn, *specs, target=args.target,
@@ -148,13 +155,15 @@ def run_inspect(args: argparse.Namespace, build_step: BuildStep,
         fn, specs = build_step(mesh, mode)
         with _ticker(f"[{mode}] compiling for {args.target}"):
             art, extra = _compile(fn, specs, args, out / f"pgle_{mode}")
-        analysis = hlo.analyze(art.hlo_text, args.target, art.lhs_schedule_text, grouped_fill(args))
+        analysis = hlo.analyze(art.hlo_text, args.target, art.lhs_schedule_text, grouped_fill(args),
+                               declared_rows(args))
         analyses[mode] = analysis
         meta = {"mode": mode, "mesh": args.mesh, "grouped_gemm_fill": grouped_fill(args), **art.summary()}
         baseline = extra.pop("_baseline", None)
         meta.update(extra)
         if baseline is not None:
-            base = hlo.analyze(baseline.hlo_text, args.target, grouped_fill=grouped_fill(args)).totals
+            base = hlo.analyze(baseline.hlo_text, args.target, grouped_fill=grouped_fill(args),
+                               declared_rows=declared_rows(args)).totals
             meta["pgle"]["without_profile"] = {
                 "all": base["all"]["hidden_frac"],
                 **{kind: agg["hidden_frac"] for kind, agg in base["by_kind"].items()}}
@@ -284,8 +293,10 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="how the cost model prices grouped GEMMs (ragged_dot), whose row count is a "
                         "worst case fixed at compile time: balanced = the rows balanced routing gives "
                         "each device (a dropless EP=8 receive buffer holds 8x those), static = every "
-                        "row. Padded GEMMs and exchanges really move their whole buffers and are "
-                        "priced in full either way")
+                        "row; likewise the node-aware exchange's ragged stages (whose send and receive "
+                        "buffers are both bounds) at the rows they declare for balanced routing, or "
+                        "their buffers. Padded GEMMs and exchanges really move their whole buffers and "
+                        "are priced in full either way")
     add_inspect_args(p)
     distributed.add_distributed_args(p)  # --target local only
     p.set_defaults(modes=None)

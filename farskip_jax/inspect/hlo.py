@@ -27,6 +27,8 @@ from farskip_jax.xla.costs import (
     collective_bytes,
     collective_kind,
     group_size,
+    link_bytes,
+    same_node_members,
     transfer_time_us,
     trip_count,
 )
@@ -99,6 +101,7 @@ class CollectiveRecord:
     model: str = "student"  # "teacher" inside jax.named_scope("teacher") (FCSD's frozen teacher)
     recompute: bool = False  # a forward collective that jax.checkpoint re-runs in the backward
     inferred: bool = False  # nameless in the HLO: layer/role/model read from its neighbours
+    nic_bytes: float = 0.0  # of `bytes`, what leaves the node over this device's NIC (link model)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -259,8 +262,9 @@ class _Analyzer(CostModel):
     """The cost model plus what the overlap report needs: every collective's window and role, and
     the forward/backward phase of each instruction."""
 
-    def __init__(self, mod: HloModule, hw: dict[str, Any], grouped_fill: float = 1.0):
-        super().__init__(mod, hw, grouped_fill)
+    def __init__(self, mod: HloModule, hw: dict[str, Any], grouped_fill: float = 1.0,
+                 declared_rows: bool = True):
+        super().__init__(mod, hw, grouped_fill, declared_rows)
         self._phases: Phases | None = None
         self._users_cache: dict[str, dict[str, list[str]]] = {}
 
@@ -286,8 +290,10 @@ class _Analyzer(CostModel):
                                    and (collective_kind(self.mod, comp.instrs[j]) or ("", ""))[1] == "done"),
                                   k)
                 done = comp.instrs[done_k]
-                nbytes = collective_bytes(comp, ins, done if form == "start" else None, kind)
+                nbytes = collective_bytes(comp, ins, done if form == "start" else None, kind,
+                                          self.declared_rows)
                 n = group_size(ins, self.mod.num_partitions)
+                same_node = same_node_members(ins, self.mod.num_partitions, self.hw["gpus_per_node"])
                 between = []
                 for j in range(k + 1, done_k):
                     b = comp.instrs[j]
@@ -296,7 +302,7 @@ class _Analyzer(CostModel):
                         between.append(BetweenOp(b.name, b.opcode, t, b.op_name))
                 flagged = '"is_sync":true' in ins.attrs
                 is_async = form == "start" and not flagged and bool(between)
-                transfer = transfer_time_us(kind, nbytes, n, self.hw)
+                transfer = transfer_time_us(kind, nbytes, n, self.hw, same_node)
                 compute = sum(b.est_us for b in between) if is_async else 0.0
                 layer, role, _ = infer_role(ins.op_name)
                 direction = "bwd" if self.phases.is_bwd(cname, ins.name) else "fwd"
@@ -308,7 +314,7 @@ class _Analyzer(CostModel):
                     ins.name, kind, cname, k, done_k, flagged, is_async, nbytes, n, transfer, compute,
                     min(compute, transfer) / transfer if transfer > 0 else 1.0, w, ins.op_name, layer,
                     role, direction, between, model=model, recompute=_RECOMPUTE_MARK in ins.op_name,
-                    inferred=inferred))
+                    inferred=inferred, nic_bytes=link_bytes(kind, nbytes, n, self.hw, same_node)[1]))
         return recs
 
 
@@ -465,6 +471,7 @@ def _totals(recs: list[CollectiveRecord], sim: _Simulator) -> dict[str, Any]:
             "async": sum(r.weight for r in rs if r.is_async), "transfer_us": transfer,
             "hidden_us": hidden, "hidden_frac": hidden / transfer if transfer else None,
             "sim_exposed_us": exposed,
+            "nic_bytes": sum(r.nic_bytes * r.weight for r in rs),  # per device, link model
             "sim_hidden_frac": round(max(0.0, 1 - exposed / transfer), 9) if transfer else None,
         }
 
@@ -496,14 +503,14 @@ def _by_role(recs: list[CollectiveRecord], agg: Any) -> dict[str, Any]:
     return {k: agg(v) for k, v in sorted(roles.items())}
 
 
-def analyze(text: str, target: str, lhs_schedule_text: str | None = None, grouped_fill: float = 1.0
-            ) -> Analysis:
+def analyze(text: str, target: str, lhs_schedule_text: str | None = None, grouped_fill: float = 1.0,
+            declared_rows: bool = True) -> Analysis:
     """Parse scheduled HLO text and estimate collective overlap for ``target`` (see HARDWARE);
-    ``grouped_fill`` as in ``_Analyzer``."""
+    ``grouped_fill`` and ``declared_rows`` as in ``costs.CostModel``."""
     if target not in HARDWARE:
         raise ValueError(f"unknown target {target!r}; known: {sorted(HARDWARE)}")
     mod = parse_hlo(text)
-    an = _Analyzer(mod, HARDWARE[target], grouped_fill)
+    an = _Analyzer(mod, HARDWARE[target], grouped_fill, declared_rows)
     recs = an.collectives(an.scheduled_computations())
     sim = _Simulator(an, recs)
     sim.run(mod.entry)

@@ -135,8 +135,8 @@ def markdown(report: dict[str, Any], max_rows: int = 200) -> str:
              "Direction: backward = reads a value computed from the loss's cotangent (data flow over the "
              "scheduled HLO), so XLA's nameless gradient all-reduces count as backward; "
              "'bwd*' = a forward collective recomputed by jax.checkpoint inside the backward.", "",
-             "| group | count | sync | transfer us | hidden (between) | hidden (timeline) |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "| group | count | sync | transfer us | NIC MiB | hidden (between) | hidden (timeline) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     by_model = t.get("by_model", {})
     teacher = "teacher" in by_model
     groups = [("all", t["all"])] + list(t["by_kind"].items()) + list(t["by_direction"].items()) \
@@ -146,6 +146,7 @@ def markdown(report: dict[str, Any], max_rows: int = 200) -> str:
     for name, g in groups:
         if g["count"]:
             lines.append(f"| {name} | {g['count']} | {g['sync']} | {g['transfer_us']:.1f} | "
+                         f"{g.get('nic_bytes', 0.0) / 2**20:.0f} | "
                          f"{_pct(g['hidden_frac'])} | {_pct(g['sim_hidden_frac'])} |")
     lines += ["", "| collective | computation | x | kind | dir | layer/role | MiB | async | transfer us "
               "| compute between us | hidden | ops between |",
@@ -176,7 +177,7 @@ def compare(a: dict[str, Any], b: dict[str, Any], label_a: str = "farskip",
     def pick(g: dict[str, Any] | None) -> dict[str, Any]:
         g = g or {}
         return {k: g.get(k) for k in ("count", "sync", "transfer_us", "hidden_frac", "sim_hidden_frac",
-                                      "sim_exposed_us")}
+                                      "sim_exposed_us", "nic_bytes")}
 
     keys = ["all"] + sorted(set(ta["by_kind"]) | set(tb["by_kind"])) + ["fwd", "bwd"]
 

@@ -89,7 +89,13 @@ def moe_buffer(cfg: ModelConfig, exe: ExecutionConfig, tokens: int, ranks: int, 
     """
     k, local = cfg.num_experts_per_tok, cfg.n_routed_experts // ranks
     worst = sources * min(tokens * min(k, local), local * rows_per_expert(tokens, seq_len, cfg, exe))
-    balanced = sources * tokens * k / ranks
+    return bounded_buffer(exe, sources * tokens * k / ranks, worst)
+
+
+def bounded_buffer(exe: ExecutionConfig, balanced: float, worst: int) -> MoeBuffer:
+    """`exe.moe_buffer_factor` x `balanced` rows, rounded up to 8, at most `worst` (factor 0: `worst`):
+    the sizing rule of every bounded routed-expert buffer (`moe_buffer`, and the node-aware
+    exchange's stages in parallel/node_aware.py)."""
     if exe.moe_buffer_factor <= 0:
         return MoeBuffer(worst, worst, balanced)
     bound = 8 * math.ceil(math.ceil(exe.moe_buffer_factor * balanced) / 8)
@@ -231,8 +237,9 @@ def take_rows(y_sd: jax.Array, slot_r: jax.Array) -> jax.Array:
 
 
 def _take_rows_fwd(y_sd: jax.Array, slot_r: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    # The zero-width slice carries y's row count (a residual must be an array) at no cost.
-    return take_rows(y_sd, slot_r), (slot_r, y_sd[:, :0])
+    # A zero-width array carries y's row count (a residual must be an array) at no cost; made from
+    # the shape, so that a rematerialised backward need not recompute y.
+    return take_rows(y_sd, slot_r), (slot_r, jnp.zeros((y_sd.shape[0], 0), y_sd.dtype))
 
 
 def _take_rows_bwd(res: tuple[jax.Array, jax.Array], ct: jax.Array) -> tuple[jax.Array, None]:

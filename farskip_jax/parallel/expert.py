@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental.xla_metadata import set_xla_metadata
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -66,6 +67,7 @@ from farskip_jax.model.dispatch import (
 from farskip_jax.model.moe import RoutedExperts, Routing, SharedFn
 from farskip_jax.parallel.mesh import BATCH_AXES
 from farskip_jax.platforms import device_family
+from farskip_jax.xla.costs import BALANCED_ROWS_ATTR
 
 
 def resolve_exchange(mode: str, mesh: Mesh) -> str:
@@ -83,11 +85,26 @@ class ExpertParallel:
     """Routed experts split over the mesh's `expert` axis, tokens over (data, expert).
 
     `bounded`: receive buffers sized by `execution.moe_buffer_factor` (may overflow, then the result says
-    so); False: the worst case (`worst_case()`), which never overflows."""
+    so); False: the worst case (`worst_case()`), which never overflows. `expert_per_node`
+    (`mesh.expert_per_node`): 0, or at least `expert`, is the flat exchange; a divisor of `expert`
+    factors it into nodes of that many ranks and runs the two-stage exchange of
+    parallel/node_aware.py (each token crosses to a node once)."""
 
     mesh: Mesh
     reduce: None = None
     bounded: bool = True
+    expert_per_node: int = 0
+
+    def __post_init__(self) -> None:
+        if self.nodes > 1 and self.mesh.shape["expert"] % self.expert_per_node:
+            raise ValueError(f"mesh.expert_per_node={self.expert_per_node} does not divide "
+                             f"mesh.expert={self.mesh.shape['expert']}")
+
+    @property
+    def nodes(self) -> int:
+        """Nodes the expert axis spans (1: the flat exchange)."""
+        per = self.expert_per_node
+        return 1 if per <= 0 or per >= self.mesh.shape["expert"] else self.mesh.shape["expert"] // per
 
     def worst_case(self) -> ExpertParallel:
         return dataclasses.replace(self, bounded=False)
@@ -121,9 +138,14 @@ class ExpertParallel:
         if cfg.n_routed_experts % groups:
             raise ValueError(f"n_routed_experts={cfg.n_routed_experts} is not divisible by "
                              f"mesh.expert={groups}")
-        ep = _EPShard(cfg, buffer_config(exe, self.bounded), groups, routing.seq_len,
-                      resolve_exchange(exe.ep_exchange, self.mesh),
-                      resolve_matmul(exe.expert_matmul, self.mesh.devices.flat[0], cfg.dtype))
+        exchange = resolve_exchange(exe.ep_exchange, self.mesh)
+        matmul = resolve_matmul(exe.expert_matmul, self.mesh.devices.flat[0], cfg.dtype)
+        if self.nodes > 1:
+            from farskip_jax.parallel.node_aware import node_aware_routed  # it builds on this module
+
+            return node_aware_routed(self.mesh, self.expert_per_node, cfg, buffer_config(exe, self.bounded),
+                                     exchange, matmul, x_nd, routing, experts, shared_fn)
+        ep = _EPShard(cfg, buffer_config(exe, self.bounded), groups, routing.seq_len, exchange, matmul)
         tokens, expert_spec = P(BATCH_AXES), P("expert", None, None)
         smap = functools.partial(jax.shard_map, mesh=self.mesh)
         w_gld = (experts.w_gate[...], experts.w_up[...], experts.w_down[...])
@@ -236,9 +258,25 @@ class _Plan(NamedTuple):
         return _Plan(self.back_in, self.recv, self.back_out, self.send, self.in_off, self.out_off)
 
 
-@jax.custom_vjp
-def _ragged_move(x: jax.Array, out: jax.Array, plan: _Plan) -> jax.Array:
-    """`plan`'s exchange of the rows of x into the buffer `out` (ragged_all_to_all).
+Groups = tuple[tuple[int, ...], ...] | None  # axis_index_groups of a collective (None: the whole axis)
+
+
+class _Route(NamedTuple):
+    """Where a ragged exchange runs (static): mesh axis `axis`, within each of `groups` (lists of
+    axis indices; None: the whole axis). `balanced_rows`: the rows it moves per device under
+    balanced routing, declared to the inspector's link model (`xla.costs.BALANCED_ROWS_ATTR`) where
+    neither its send nor its receive buffer is exact (parallel/node_aware.py); None: the send buffer
+    holds exactly the rows sent."""
+
+    axis: str
+    groups: Groups = None
+    balanced_rows: int | None = None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ragged_move(route: _Route, x: jax.Array, out: jax.Array, plan: _Plan) -> jax.Array:
+    """`plan`'s exchange (over `route`) of the rows of x into the buffer `out` (ragged_all_to_all);
+    plan's arrays have one entry per peer.
 
     Rows of `out` that nothing lands in keep their value and get no gradient: callers pass zeros,
     or (the Combine) a buffer whose unwritten rows never reach the result.
@@ -246,22 +284,30 @@ def _ragged_move(x: jax.Array, out: jax.Array, plan: _Plan) -> jax.Array:
     Why a custom VJP: JAX's transpose of ragged_all_to_all learns the peers' offsets with two
     extra all_to_alls per exchange (a sync point each in the backward, in XLA's one collective
     slot) and masks the output cotangent with a cumsum; `plan` already holds both sides' offsets
-    (the counts exchange carried them), so the transpose is the transposed plan's exchange.
+    (the counts exchange carried them), so the transpose is the transposed plan's exchange (which
+    moves the same rows, so it declares the same `balanced_rows`).
     """
-    return jax.lax.ragged_all_to_all(x, out, plan.in_off, plan.send, plan.out_off, plan.recv,
-                                     axis_name="expert")
+    declared = ({} if route.balanced_rows is None
+                else {BALANCED_ROWS_ATTR: route.balanced_rows})
+    with set_xla_metadata(**declared):
+        return jax.lax.ragged_all_to_all(x, out, plan.in_off, plan.send, plan.out_off, plan.recv,
+                                         axis_name=route.axis, axis_index_groups=route.groups)
 
 
-def _ragged_move_fwd(x: jax.Array, out: jax.Array, plan: _Plan) -> tuple[jax.Array, tuple[_Plan, jax.Array]]:
-    # The zero-size slice carries x's row count (a residual must be an array) at no cost.
-    return _ragged_move(x, out, plan), (plan, x[:, :0])
+def _ragged_move_fwd(route: _Route, x: jax.Array, out: jax.Array, plan: _Plan
+                     ) -> tuple[jax.Array, tuple[_Plan, jax.Array]]:
+    # A zero-size array carries x's row count (a residual must be an array) at no cost; made from
+    # the shape, not sliced from x, so that a rematerialised backward need not recompute x (the
+    # node-aware exchange's operands come from another exchange).
+    return _ragged_move(route, x, out, plan), (plan, jnp.zeros((x.shape[0], 0), x.dtype))
 
 
-def _ragged_move_bwd(res: tuple[_Plan, jax.Array], ct: jax.Array) -> tuple[jax.Array, None, None]:
+def _ragged_move_bwd(route: _Route, res: tuple[_Plan, jax.Array], ct: jax.Array
+                     ) -> tuple[jax.Array, None, None]:
     plan, x_rows = res
     # Rows of x that were not sent get a zero cotangent: nothing lands there in the transpose.
     zeros = schedule.fresh_zeros(x_rows.shape[0], ct, plan.send)
-    return _ragged_move(ct, zeros, plan.transposed()), None, None
+    return _ragged_move(route, ct, zeros, plan.transposed()), None, None
 
 
 _ragged_move.defvjp(_ragged_move_fwd, _ragged_move_bwd)
@@ -369,8 +415,8 @@ class _EPShard:
         meta = srt.meta[0]
         with jax.named_scope("dispatch"):
             if self.exchange == "ragged":
-                recv_rd = _ragged_move(x_nd[srt.order_a // k], schedule.fresh_zeros(rows, x_nd, srt.ids_a),
-                                       self._plan(srt, n))
+                recv_rd = _ragged_move(_Route("expert"), x_nd[srt.order_a // k],
+                                       schedule.fresh_zeros(rows, x_nd, srt.ids_a), self._plan(srt, n))
             else:  # per-destination buffers: slot q of rank g holds sorted row send_start[g] + q
                 b = self.buffer(n).rows
                 me = jax.lax.axis_index("expert")
@@ -406,7 +452,7 @@ class _EPShard:
             if self.exchange == "ragged":
                 # Rows come back in this rank's sorted order: [N*K, D]; dropped ones stay unwritten.
                 out = schedule.after_by_data(schedule.fresh_zeros(n * k, back_rd, srt.inv_a), after_nd)
-                out_rd = _ragged_move(back_rd, out, self._plan(srt, n).transposed())
+                out_rd = _ragged_move(_Route("expert"), back_rd, out, self._plan(srt, n).transposed())
                 out_rd = checkpoint_name(out_rd, A2A_COMBINE)
                 back_a = srt.inv_a
             else:  # the whole [G*B, D] buffer travels; assignment a (sorted row inv[a], to rank g)

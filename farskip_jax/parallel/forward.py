@@ -16,10 +16,12 @@ from farskip_jax.parallel.mesh import check_tensor_layout, param_specs_tree
 from farskip_jax.parallel.tensor import TensorParallel
 
 
-def ep_forward(graphdef: nnx.GraphDef, mesh: Mesh, bounded: bool = True) -> Callable[..., Any]:
+def ep_forward(graphdef: nnx.GraphDef, mesh: Mesh, bounded: bool = True,
+               expert_per_node: int = 0) -> Callable[..., Any]:
     """`f(state, input_ids, positions, segment_ids) -> ModelOutput` with expert parallelism
-    (`bounded` as in ExpertParallel; the output's aux["moe_overflow"] says whether it is void)."""
-    par = ExpertParallel(mesh, bounded=bounded)
+    (`bounded` and `expert_per_node` as in ExpertParallel; the output's aux["moe_overflow"] says
+    whether it is void)."""
+    par = ExpertParallel(mesh, bounded=bounded, expert_per_node=expert_per_node)
 
     def f(state, input_ids, positions=None, segment_ids=None):
         return nnx.merge(graphdef, state)(input_ids, positions, segment_ids, parallel=par)

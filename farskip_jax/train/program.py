@@ -59,12 +59,17 @@ def uses_teacher_cache(tc: TrainConfig) -> bool:
     return tc.mode == "fcsd" and tc.teacher_cache is not None
 
 
-def parallel_for(mesh: Mesh) -> ExpertParallel | None:
-    """The model's `parallel=` object for the training mesh (None: plain local routing)."""
+def parallel_for(mesh: Mesh, expert_per_node: int = 0) -> ExpertParallel | None:
+    """The model's `parallel=` object for the training mesh (None: plain local routing);
+    `expert_per_node` as `mesh.expert_per_node`."""
     if dict(mesh.shape).get("tensor", 1) != 1:
         raise UserError("training uses the expert-parallel layout: set --set mesh.tensor=1 (tensor "
                         "parallelism is for inference) and split devices with mesh.expert / mesh.data")
-    return ExpertParallel(mesh) if dict(mesh.shape).get("expert", 1) > 1 else None
+    expert = dict(mesh.shape).get("expert", 1)
+    if 0 < expert_per_node < expert and expert % expert_per_node:
+        raise UserError(f"mesh.expert_per_node={expert_per_node} does not divide mesh.expert={expert}: "
+                        "the expert axis must be whole nodes of that many ranks (or set it to 0)")
+    return ExpertParallel(mesh, expert_per_node=expert_per_node) if expert > 1 else None
 
 
 def abstract_params(mcfg: ModelConfig, exe: ExecutionConfig) -> tuple[nnx.GraphDef, nnx.State]:
@@ -177,7 +182,7 @@ class TrainProgram:
 def build_program(cfg: Config, mesh: Mesh) -> TrainProgram:
     """Everything the train step is made of, for `cfg` on `mesh` (real or deviceless)."""
     tc = cfg.train
-    parallel = parallel_for(mesh)
+    parallel = parallel_for(mesh, cfg.mesh.expert_per_node)
     spec = LossSpec.from_train(tc, cached_teacher=uses_teacher_cache(tc))
     s_cfg, t_cfg = student_config(cfg), teacher_config(cfg)
     s_exe, t_exe = student_execution(cfg), teacher_execution(cfg)

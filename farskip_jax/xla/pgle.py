@@ -141,9 +141,10 @@ def instruction_cost_us(an: Any, comp: Computation, ins: Instr, done: Instr | No
         carrier = _wrapped(mod, ins) if ins.opcode == "async-start" else ins
         carrier = carrier or ins
         # operands looked up on `ins`: a wrapped op's operands live in its async computation
-        nbytes = costs.collective_bytes(comp, ins, done, kind)
+        nbytes = costs.collective_bytes(comp, ins, done, kind, an.declared_rows)
         n = costs.group_size(carrier, mod.num_partitions)
-        return costs.transfer_time_us(kind, nbytes, n, hw)
+        same_node = costs.same_node_members(carrier, mod.num_partitions, hw["gpus_per_node"])
+        return costs.transfer_time_us(kind, nbytes, n, hw, same_node)
     if ins.opcode == "async-start":  # compute moved to another stream: its wrapped computation
         return sum(an.comp_time_us(c) for c in ins.called())
     if ins.opcode == "copy-start":  # async copy (memory spaces): read + write at HBM bandwidth
@@ -155,7 +156,8 @@ def instruction_cost_us(an: Any, comp: Computation, ins: Instr, done: Instr | No
     return an.op_time_us(comp, ins)
 
 
-def profile_costs(hlo_text: str, target: str, grouped_fill: float = 1.0) -> dict[str, float]:
+def profile_costs(hlo_text: str, target: str, grouped_fill: float = 1.0,
+                  declared_rows: bool = True) -> dict[str, float]:
     """Cost in microseconds of every instruction the scheduler orders in ``hlo_text``.
 
     ``hlo_text`` is the module at scheduler entry (see ``scheduler_entry_hlo``); ``target`` keys
@@ -167,7 +169,7 @@ def profile_costs(hlo_text: str, target: str, grouped_fill: float = 1.0) -> dict
     mod = parse_hlo(hlo_text)
     # costs.CostModel is the inspector's per-op cost model (roofline per op, while = trips x body);
     # used as is so that the scheduler and the overlap report price every op identically.
-    an = costs.CostModel(mod, costs.HARDWARE[target], grouped_fill)
+    an = costs.CostModel(mod, costs.HARDWARE[target], grouped_fill, declared_rows)
     us_by_instr: dict[str, float] = {}
     for cname in an.scheduled_computations():
         comp = mod.computations[cname]
@@ -188,12 +190,12 @@ def profile_text(costs: dict[str, float], comment: str = "") -> str:
 
 
 def write_profile(hlo_text: str, target: str, directory: str | Path | None = None,
-                  grouped_fill: float = 1.0) -> str:
+                  grouped_fill: float = 1.0, declared_rows: bool = True) -> str:
     """Cost ``hlo_text`` (module at scheduler entry) for ``target`` and write
     ``<directory>/<fingerprint>.pbtxt``; returns that path. ``directory`` defaults to a new
     temporary directory (kept: the caller passes the file to the next compile)."""
     fingerprint = module_fingerprint(hlo_text)
-    costs = profile_costs(hlo_text, target, grouped_fill)
+    costs = profile_costs(hlo_text, target, grouped_fill, declared_rows)
     d = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix="farskip_pgle_"))
     d.mkdir(parents=True, exist_ok=True)
     name = parse_hlo(hlo_text).name
@@ -244,13 +246,14 @@ def compile_with_synthetic_pgle(jitted_fn: Any, *arg_specs: Any, target: str,
                                 default_options: bool = True, profile_dir: str | Path | None = None,
                                 dump_lhs_schedule: bool = False,
                                 cost_target: str | None = None, grouped_fill: float = 1.0,
-                                keep_executable: bool = False) -> PgleCompile:
+                                keep_executable: bool = False, declared_rows: bool = True) -> PgleCompile:
     """Compile ``jitted_fn`` for ``target`` twice: once to dump the scheduler's input (kept as the
     baseline), then with a synthetic PGLE profile of it and the strict accuracy checker.
 
     Options are those of ``aot.compile_scheduled_hlo`` (``default_options`` adds the target's flag
     table; ``compiler_options`` wins). ``cost_target`` names the ``costs.HARDWARE`` entry that prices
-    the profile (default: ``target``) and ``grouped_fill`` its grouped GEMMs (``costs.CostModel``);
+    the profile (default: ``target``), ``grouped_fill`` its grouped GEMMs and ``declared_rows`` its
+    bounded ragged exchanges (``costs.CostModel``);
     with ``target="local"`` on a real GPU host it must be given
     (e.g. "mi300x"), and so must ``compiler_options=xla_flags.compiler_options_for("mi300x")`` or
     equivalent XLA_FLAGS, since the dump compile needs the latency-hiding scheduler on (not
@@ -269,7 +272,7 @@ def compile_with_synthetic_pgle(jitted_fn: Any, *arg_specs: Any, target: str,
     baseline, entry_text = scheduler_entry_hlo(jitted_fn, *arg_specs, target=target,
                                                compiler_options=base_opts, default_options=default_options,
                                                dump_lhs_schedule=dump_lhs_schedule)
-    path = write_profile(entry_text, cost_target, profile_dir, grouped_fill)
+    path = write_profile(entry_text, cost_target, profile_dir, grouped_fill, declared_rows)
     checker = "error"
     try:
         art = _compile_with_profile(jitted_fn, arg_specs, target, base_opts, path, STRICT_OPTIONS,

@@ -73,16 +73,25 @@ def emulated_ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offs
                                send_sizes: jax.Array, output_offsets: jax.Array, recv_sizes: jax.Array, *,
                                axis_name: str, axis_index_groups: Any = None) -> jax.Array:
     """`jax.lax.ragged_all_to_all` as its docstring defines it, from plain all_to_alls (XLA:CPU has
-    no ragged-all-to-all), for one slice per peer: checks the offsets and sizes a caller passes."""
-    assert axis_index_groups is None
+    no ragged-all-to-all), for one slice per peer of the whole axis or of each of
+    `axis_index_groups`: checks the offsets and sizes a caller passes.
+
+    The real op types its result like `output`: an `output` that does not vary over the exchange's
+    axis would make the result mesh-invariant, and JAX would psum its cotangent in the backward
+    pass; the emulation (whose result varies either way) refuses such a buffer."""
+    manual = getattr(jax.typeof(output), "manual_axis_type", None)  # absent outside shard_map
+    assert manual is None or axis_name in manual.varying, f"output buffer invariant over {axis_name!r}"
     peers, m = input_offsets.shape[0], operand.shape[0]
+    groups = None if axis_index_groups is None else [list(g) for g in axis_index_groups]
+    assert groups is None or all(len(g) == peers for g in groups)  # one offset per peer of the group
     padded = jnp.concatenate([operand, jnp.zeros_like(operand)])  # any slice of <= m rows fits
     chunks = jax.vmap(lambda off: jax.lax.dynamic_slice_in_dim(padded, off, m))(input_offsets)
     rows = jnp.arange(m)
     chunks = jnp.where((rows[None, :] < send_sizes[:, None])[..., None], chunks, 0)
-    received = jax.lax.all_to_all(chunks, axis_name, 0, 0)  # [peers, m, ...] from each source
+    # [peers, m, ...] from each source of the group
+    received = jax.lax.all_to_all(chunks, axis_name, 0, 0, axis_index_groups=groups)
     # Where each source's slice lands here: its output_offsets entry for this rank.
-    landing = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+    landing = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True, axis_index_groups=groups)
     out_rows = jnp.arange(output.shape[0])
     result = output
     for s in range(peers):

@@ -10,8 +10,10 @@ row of every source, which fills the dropless receive buffer exactly (B = tokens
 
 Checks: logits of one device vs HF transformers (<= 1e-4); EP=8, DP=2 x EP=4, TP=8 logits vs one
 device (<= 1e-5) and HF (<= 1e-4), gradients vs one device (<= 1e-5), EP=8 also with
-remat="save_a2a" and with expert_matmul="padded"; the ragged exchange (ep_exchange="ragged") on
-CPU with ragged_all_to_all emulated from its documented semantics; the all-to-all counts of remat
+remat="save_a2a" and with expert_matmul="padded", and the node-aware two-stage exchange
+(`expert_per_node`: EP=8 as 2 nodes x 4 and 4 x 2, DP=2 x EP=4 as 2 x 2; both target experts on
+node 0); the ragged exchange (ep_exchange="ragged") on CPU with ragged_all_to_all emulated from
+its documented semantics, flat and node-aware; the all-to-all counts of remat
 "full" vs "save_a2a"; and a deviceless H200 compile whose scheduled HLO carries ragged-all-to-all
 and runs the shared experts before the Combine starts.
 """
@@ -136,15 +138,18 @@ def test_one_device_matches_hf(ckpt, one_device):
     assert float(jnp.std(one_device[0])) > 0.1  # logits of order 1: the bar means something
 
 
-# case -> (mesh, ExecutionConfig overrides)
-CASES = {"ep8": ("ep8", {}), "ep8_save_a2a": ("ep8", {"remat": "save_a2a"}),
-         "ep8_padded_matmul": ("ep8", {"expert_matmul": "padded"}), "dp2xep4": ("dp2xep4", {}),
-         "tp8": ("tp8", {})}
+# case -> (mesh, ExecutionConfig overrides, expert ranks per node: 0 = the flat exchange)
+CASES = {"ep8": ("ep8", {}, 0), "ep8_save_a2a": ("ep8", {"remat": "save_a2a"}, 0),
+         "ep8_padded_matmul": ("ep8", {"expert_matmul": "padded"}, 0), "dp2xep4": ("dp2xep4", {}, 0),
+         "tp8": ("tp8", {}, 0),
+         # the node-aware two-stage exchange (parallel/node_aware.py): every token on one node
+         "ep8_nodes2x4": ("ep8", {}, 4), "ep8_nodes4x2_save_a2a": ("ep8", {"remat": "save_a2a"}, 2),
+         "dp2xep4_nodes2x2": ("dp2xep4", {}, 2)}
 
 
 def _sharded_forward(ckpt, case: str, bounded: bool):
     """(forward(state, ids) -> (logits, overflow), placed state, placed ids) for one case."""
-    mesh_name, overrides = CASES[case]
+    mesh_name, overrides, per_node = CASES[case]
     mesh = make_mesh(MESHES[mesh_name])
     state, ids = ckpt["state"], ckpt["ids"]
     if mesh_name == "tp8":
@@ -159,7 +164,7 @@ def _sharded_forward(ckpt, case: str, bounded: bool):
     if overrides:
         graphdef, _ = nnx.split(farskip_jax.from_pretrained(ckpt["dir"], exe=ExecutionConfig(**overrides)),
                                 nnx.Param)
-    par = ExpertParallel(mesh, bounded=bounded)
+    par = ExpertParallel(mesh, bounded=bounded, expert_per_node=per_node)
 
     def forward(s, i):
         out = nnx.merge(graphdef, s)(i, parallel=par)
@@ -198,9 +203,10 @@ def test_bounded_overflows_and_worst_case_matches_one_device_and_hf(ckpt, one_de
     assert float(expert_grads[2:].max()) == 0.0  # ... and no token reached the others
 
 
-def test_ragged_exchange_emulated(ckpt, one_device, monkeypatch):
+@pytest.mark.parametrize("per_node", [0, 4], ids=["flat", "nodes2x4"])
+def test_ragged_exchange_emulated(ckpt, one_device, monkeypatch, per_node):
     """ep_exchange="ragged" on CPU: the offsets and sizes we pass, under the documented semantics;
-    bounded (reports the overflow) and worst case (exact)."""
+    bounded (reports the overflow) and worst case (exact); the flat exchange and the node-aware one."""
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
     model = farskip_jax.from_pretrained(ckpt["dir"], exe=ExecutionConfig(ep_exchange="ragged"))
     graphdef, _ = nnx.split(model, nnx.Param)
@@ -209,7 +215,7 @@ def test_ragged_exchange_emulated(ckpt, one_device, monkeypatch):
     assert resolve_exchange(model.exe.ep_exchange, mesh) == "ragged"
     args = (place(ckpt["state"], mesh, "ep"), jax.device_put(ckpt["ids"], batch_sharding(mesh)), ckpt["w"])
     for bounded in (True, False):
-        par = ExpertParallel(mesh, bounded=bounded)
+        par = ExpertParallel(mesh, bounded=bounded, expert_per_node=per_node)
 
         def forward(s, i, par=par):
             out = nnx.merge(graphdef, s)(i, parallel=par)
@@ -220,8 +226,9 @@ def test_ragged_exchange_emulated(ckpt, one_device, monkeypatch):
         (_, (logits, overflow)), grads = lowered.compile(FAST)(*args)
         assert int(overflow) == int(bounded)
     err_logits, err_grads = max_abs_err(logits, one_device[0]), max_abs_err(grads, one_device[1])
-    record("dropless_one_rank", "ep8_ragged_emulated", "logits", err_logits)
-    record("dropless_one_rank", "ep8_ragged_emulated", "grads", err_grads)
+    case = "ep8_ragged_emulated" + ("" if per_node == 0 else f"_nodes{8 // per_node}x{per_node}")
+    record("dropless_one_rank", case, "logits", err_logits)
+    record("dropless_one_rank", case, "grads", err_grads)
     assert err_logits <= TOL and err_grads <= TOL
 
 
