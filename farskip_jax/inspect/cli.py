@@ -89,7 +89,7 @@ def grouped_fill(args: argparse.Namespace) -> float:
 
 
 def declared_rows(args: argparse.Namespace) -> bool:
-    """Whether bounded ragged exchanges are charged the rows they declare (``costs.collective_bytes``):
+    """Whether bounded ragged exchanges are charged the rows they declare (``links.collective_bytes``):
     with ``--moe-load balanced`` (the default), as grouped GEMMs are charged their balanced rows."""
     return getattr(args, "moe_load", "balanced") == "balanced"
 

@@ -21,18 +21,16 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from farskip_jax.xla.costs import (
-    HARDWARE,
-    CostModel,
+from farskip_jax.xla.costs import HARDWARE, CostModel, trip_count
+from farskip_jax.xla.hlo_parse import Computation, HloModule, Instr, parse_hlo
+from farskip_jax.xla.links import (
     collective_bytes,
     collective_kind,
     group_size,
     link_bytes,
     same_node_members,
     transfer_time_us,
-    trip_count,
 )
-from farskip_jax.xla.hlo_parse import Computation, HloModule, Instr, parse_hlo
 
 _LAYER_RE = re.compile(r"layer_(\d+)")
 # JAX names every op of a reverse-mode pass `transpose(<forward name stack>)`; the primitive

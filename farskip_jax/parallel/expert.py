@@ -67,7 +67,7 @@ from farskip_jax.model.dispatch import (
 from farskip_jax.model.moe import RoutedExperts, Routing, SharedFn
 from farskip_jax.parallel.mesh import BATCH_AXES
 from farskip_jax.platforms import device_family
-from farskip_jax.xla.costs import BALANCED_ROWS_ATTR
+from farskip_jax.xla.links import BALANCED_ROWS_ATTR
 
 
 def resolve_exchange(mode: str, mesh: Mesh) -> str:
@@ -264,7 +264,7 @@ Groups = tuple[tuple[int, ...], ...] | None  # axis_index_groups of a collective
 class _Route(NamedTuple):
     """Where a ragged exchange runs (static): mesh axis `axis`, within each of `groups` (lists of
     axis indices; None: the whole axis). `balanced_rows`: the rows it moves per device under
-    balanced routing, declared to the inspector's link model (`xla.costs.BALANCED_ROWS_ATTR`) where
+    balanced routing, declared to the inspector's link model (`xla.links.BALANCED_ROWS_ATTR`) where
     neither its send nor its receive buffer is exact (parallel/node_aware.py); None: the send buffer
     holds exactly the rows sent."""
 

@@ -19,7 +19,7 @@ groups of its indices (`node_groups`): the inter-node stage among the ranks with
 takes one mesh per program, and the trainer's step pins its arguments and results to the
 (data, expert, tensor) mesh (a shard_map over an (expert -> node, local) view of the same devices
 does not lower inside it). XLA prints the groups as replica groups, which is what the inspector's
-link model reads to tell NIC from NVLink traffic (xla/costs.py). Why a mesh knob and not an
+link model reads to tell NIC from NVLink traffic (xla/links.py). Why a mesh knob and not an
 exchange mode: which ranks share a node is a property of the machine the mesh is laid on.
 
 Data flow, per source rank (s, j) (node s, local index j), N tokens, K choices, E experts, Nn
@@ -66,7 +66,7 @@ rows both ways) and reruns none of them.
 
 Cost model: each ragged stage declares the rows it moves per device under balanced, uniform
 routing (N q for stage 1, N K for stage 2; `expert._Route.balanced_rows`), since neither of its
-buffers is exact; the inspector charges those under `--moe-load balanced` (xla/costs.py).
+buffers is exact; the inspector charges those under `--moe-load balanced` (xla/links.py).
 
 Schedule contract (as the flat path's): two shard_maps, the shared experts between them; the
 Combine's first exchange (the in-node one) starts only once the shared experts' output exists

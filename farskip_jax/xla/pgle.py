@@ -7,7 +7,7 @@ stops filling the window, whatever the real sizes are. A profile-guided latency 
 profile replaces those units with microseconds per instruction. XLA reads it from disk inside the
 scheduling pass, so it works in a deviceless compile; this module writes one from the same
 roofline + link model the inspector measures with (``costs.CostModel.op_time_us`` for compute,
-``costs.transfer_time_us`` for collectives), so the scheduler and the report agree on what an op costs.
+``links.transfer_time_us`` for collectives), so the scheduler and the report agree on what an op costs.
 
 How (``compile_with_synthetic_pgle``):
 
@@ -83,7 +83,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from farskip_jax.xla import aot, costs
+from farskip_jax.xla import aot, costs, links
 from farskip_jax.xla.hlo_parse import Computation, HloModule, Instr, parse_hlo, shape_bytes
 
 # The first pass of XLA:GPU's "latency-hiding-scheduler" pipeline; its output is what the PGLE
@@ -115,7 +115,7 @@ def _done_of(comp: Computation, mod: HloModule) -> dict[str, Instr]:
     """start name -> its done instruction (the done's shape is the collective's result)."""
     out = {}
     for ins in comp.instrs:
-        ck = costs.collective_kind(mod, ins)
+        ck = links.collective_kind(mod, ins)
         if ck is not None and ck[1] == "done" and ins.operands:
             out[ins.operands[0]] = ins
     return out
@@ -133,7 +133,7 @@ def instruction_cost_us(an: Any, comp: Computation, ins: Instr, done: Instr | No
     ``an`` is the inspector's cost model (``costs.CostModel``) for the module.
     """
     mod, hw = an.mod, an.hw
-    ck = costs.collective_kind(mod, ins)
+    ck = links.collective_kind(mod, ins)
     if ck is not None:
         kind, form = ck
         if form == "done":
@@ -141,16 +141,16 @@ def instruction_cost_us(an: Any, comp: Computation, ins: Instr, done: Instr | No
         carrier = _wrapped(mod, ins) if ins.opcode == "async-start" else ins
         carrier = carrier or ins
         # operands looked up on `ins`: a wrapped op's operands live in its async computation
-        nbytes = costs.collective_bytes(comp, ins, done, kind, an.declared_rows)
-        n = costs.group_size(carrier, mod.num_partitions)
-        same_node = costs.same_node_members(carrier, mod.num_partitions, hw["gpus_per_node"])
-        return costs.transfer_time_us(kind, nbytes, n, hw, same_node)
+        nbytes = links.collective_bytes(comp, ins, done, kind, an.declared_rows)
+        n = links.group_size(carrier, mod.num_partitions)
+        same_node = links.same_node_members(carrier, mod.num_partitions, hw["gpus_per_node"])
+        return links.transfer_time_us(kind, nbytes, n, hw, same_node)
     if ins.opcode == "async-start":  # compute moved to another stream: its wrapped computation
         return sum(an.comp_time_us(c) for c in ins.called())
     if ins.opcode == "copy-start":  # async copy (memory spaces): read + write at HBM bandwidth
         return costs.instr_bytes(comp, ins) / hw["hbm_bw"] * 1e6
     if ins.opcode in ("send", "recv"):  # one peer link, like a collective-permute
-        return costs.transfer_time_us("collective-permute", shape_bytes(ins.shape), 2, hw)
+        return links.transfer_time_us("collective-permute", shape_bytes(ins.shape), 2, hw)
     if ins.opcode in ("async-done", "copy-done", "send-done", "recv-done"):
         return None
     return an.op_time_us(comp, ins)

@@ -16,7 +16,7 @@ import pytest
 import toy_programs
 
 from farskip_jax.inspect import cli, hlo
-from farskip_jax.xla import aot, costs
+from farskip_jax.xla import aot, costs, links
 
 pytest.importorskip("jax_plugins.xla_cuda13", reason="jax-cuda13-pjrt not installed")
 
@@ -159,7 +159,7 @@ def test_nameless_ragged_exchanges_get_their_roles(mesh: jax.sharding.Mesh) -> N
     # Each moves a device's own 64 rows (f32, 128 wide), not the 8x worst-case receive buffer.
     own_rows = 64 * 128 * 4
     assert [c.bytes for c in rag] == [own_rows] * 4
-    assert rag[0].transfer_us == pytest.approx(costs.transfer_time_us("ragged-all-to-all", own_rows, 8,
+    assert rag[0].transfer_us == pytest.approx(links.transfer_time_us("ragged-all-to-all", own_rows, 8,
                                                                      costs.HARDWARE["h200"]))
 
 

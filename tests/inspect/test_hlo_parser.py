@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from farskip_jax.inspect import hlo, report
-from farskip_jax.xla import costs, hlo_parse
+from farskip_jax.xla import costs, hlo_parse, links
 from farskip_jax.xla import flags as xla_flags
 
 DATA = Path(__file__).parent / "data"
@@ -113,16 +113,16 @@ def test_model_of_teacher_scope() -> None:
 def test_transfer_model_mi300x_full_mesh() -> None:
     hw = costs.HARDWARE["mi300x"]
     # all-to-all: 7 peer slices, each over its own 64 GB/s xGMI link
-    assert costs.transfer_time_us("all-to-all", 8e6, 8, hw) == pytest.approx(7e6 / (7 * 64e9) * 1e6 + 5)
-    assert costs.transfer_time_us("collective-permute", 8e6, 2, hw) == pytest.approx(8e6 / 64e9 * 1e6 + 5)
+    assert links.transfer_time_us("all-to-all", 8e6, 8, hw) == pytest.approx(7e6 / (7 * 64e9) * 1e6 + 5)
+    assert links.transfer_time_us("collective-permute", 8e6, 2, hw) == pytest.approx(8e6 / 64e9 * 1e6 + 5)
     # 32 GPUs over 4 nodes: the 24 of 32 slices bound for other nodes go over the 50 GB/s NIC
-    assert costs.transfer_time_us("all-to-all", 8e6, 32, H200) == pytest.approx(
+    assert links.transfer_time_us("all-to-all", 8e6, 32, H200) == pytest.approx(
         8e6 * 24 / 32 / 50e9 * 1e6 + 5)
     # a node-aware exchange's inter-node group (one rank on each of 4 nodes): 3 of 4 slices leave
-    assert costs.transfer_time_us("all-to-all", 8e6, 4, H200, same_node=1) == pytest.approx(
+    assert links.transfer_time_us("all-to-all", 8e6, 4, H200, same_node=1) == pytest.approx(
         8e6 * 3 / 4 / 50e9 * 1e6 + 5)
-    assert costs.link_bytes("ragged-all-to-all", 8e6, 4, H200, same_node=1) == (0.0, 6e6)
-    assert costs.link_bytes("all-to-all", 8e6, 8, H200) == (7e6, 0.0)
+    assert links.link_bytes("ragged-all-to-all", 8e6, 4, H200, same_node=1) == (0.0, 6e6)
+    assert links.link_bytes("all-to-all", 8e6, 8, H200) == (7e6, 0.0)
 
 
 def test_same_node_members_of_sub_axis_groups() -> None:
@@ -133,17 +133,17 @@ def test_same_node_members_of_sub_axis_groups() -> None:
                          f"channel_id=1, replica_groups={groups}, dimensions={{0}}")
 
     view = "mesh['data'=1,'node'=4,'local'=8,'tensor'=1]"
-    assert costs.group_members(op(view + " {'node'}"), 32) == [0, 8, 16, 24]
-    assert costs.group_members(op(view + " {'local'}"), 32) == list(range(8))
-    assert costs.group_members(op(view + " {'node','local'}"), 32) == list(range(32))
-    assert costs.same_node_members(op(view + " {'node'}"), 32, 8) == 1
-    assert costs.same_node_members(op(view + " {'local'}"), 32, 8) == 8
-    assert costs.same_node_members(op("mesh['data'=1,'expert'=32,'tensor'=1] {'expert'}"), 32, 8) == 8
-    assert costs.same_node_members(op("mesh['data'=4,'expert'=8,'tensor'=1] {'data'}"), 32, 8) == 1
-    assert costs.group_members(op("[8,4]<=[4,8]T(1,0)"), 32) == [0, 8, 16, 24]
-    assert costs.group_members(op("[4,8]<=[32]"), 32) == list(range(8))
-    assert costs.group_members(op("{{0,8,16,24},{1,9,17,25}}"), 32) == [0, 8, 16, 24]
-    assert costs.group_members(op("{}"), 32) is None
+    assert links.group_members(op(view + " {'node'}"), 32) == [0, 8, 16, 24]
+    assert links.group_members(op(view + " {'local'}"), 32) == list(range(8))
+    assert links.group_members(op(view + " {'node','local'}"), 32) == list(range(32))
+    assert links.same_node_members(op(view + " {'node'}"), 32, 8) == 1
+    assert links.same_node_members(op(view + " {'local'}"), 32, 8) == 8
+    assert links.same_node_members(op("mesh['data'=1,'expert'=32,'tensor'=1] {'expert'}"), 32, 8) == 8
+    assert links.same_node_members(op("mesh['data'=4,'expert'=8,'tensor'=1] {'data'}"), 32, 8) == 1
+    assert links.group_members(op("[8,4]<=[4,8]T(1,0)"), 32) == [0, 8, 16, 24]
+    assert links.group_members(op("[4,8]<=[32]"), 32) == list(range(8))
+    assert links.group_members(op("{{0,8,16,24},{1,9,17,25}}"), 32) == [0, 8, 16, 24]
+    assert links.group_members(op("{}"), 32) is None
 
 
 def test_group_size_reads_every_replica_group_notation() -> None:
@@ -153,13 +153,13 @@ def test_group_size_reads_every_replica_group_notation() -> None:
         return hlo_parse.Instr("a2a", "bf16[8]{0}", "all-to-all", ["x"],
                          f"channel_id=1, replica_groups={groups}, dimensions={{0}}")
 
-    assert costs.group_size(op("mesh['data'=2,'expert'=4] {'expert'}"), 99) == 4
-    assert costs.group_size(op("mesh['data'=2,'expert'=4] {'data'}"), 99) == 2
-    assert costs.group_size(op("mesh['data'=2,'expert'=4] {'data','expert'}"), 99) == 8
-    assert costs.group_size(op("mesh['ep'=8] {'ep'}"), 99) == 8
-    assert costs.group_size(op("[2,4]<=[8]"), 99) == 4
-    assert costs.group_size(op("{{0,1,2,3,4,5,6,7}}"), 99) == 8
-    assert costs.group_size(op("{}"), 99) == 99  # no groups: all partitions
+    assert links.group_size(op("mesh['data'=2,'expert'=4] {'expert'}"), 99) == 4
+    assert links.group_size(op("mesh['data'=2,'expert'=4] {'data'}"), 99) == 2
+    assert links.group_size(op("mesh['data'=2,'expert'=4] {'data','expert'}"), 99) == 8
+    assert links.group_size(op("mesh['ep'=8] {'ep'}"), 99) == 8
+    assert links.group_size(op("[2,4]<=[8]"), 99) == 4
+    assert links.group_size(op("{{0,1,2,3,4,5,6,7}}"), 99) == 8
+    assert links.group_size(op("{}"), 99) == 99  # no groups: all partitions
 
 
 def test_infer_role() -> None:

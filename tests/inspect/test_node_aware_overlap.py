@@ -26,7 +26,7 @@ from farskip_jax.inspect import hlo, steps
 from farskip_jax.inspect.cli import run_inspect
 from farskip_jax.model.moe import MoE
 from farskip_jax.parallel import ExpertParallel
-from farskip_jax.xla import aot, costs
+from farskip_jax.xla import aot, links
 
 pytest.importorskip("jax_plugins.xla_cuda13", reason="jax-cuda13-pjrt not installed")
 MESH = {"data": 1, "expert": 32, "tensor": 1}
@@ -72,7 +72,7 @@ def test_two_stage_moe_layer_sends_fewer_nic_bytes():
     assert len(across) == len(inside) == 4
     assert all(r.nic_bytes == pytest.approx(r.bytes * 3 / 4) for r in across)  # 3 of 4 nodes remote
     assert all(r.nic_bytes == 0 for r in inside)  # inside the node: NVLink only
-    assert text.count(costs.BALANCED_ROWS_ATTR) >= 8
+    assert text.count(links.BALANCED_ROWS_ATTR) >= 8
     ratio = _nic(_ragged(two)) / _nic(_ragged(flat))
     transfer = [sum(r.transfer_us for r in _ragged(a)) for a in (two, flat)]
     print(f"NODE_AWARE_MOE_LAYER nic {_nic(_ragged(two)) / 2**20:.1f} MiB vs flat "

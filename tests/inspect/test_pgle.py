@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from farskip_jax.inspect import hlo
-from farskip_jax.xla import costs, hlo_parse, pgle
+from farskip_jax.xla import costs, hlo_parse, links, pgle
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_CUDA = importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
@@ -402,7 +402,7 @@ def test_grouped_gemm_priced_at_fill_and_ragged_exchange_at_rows_sent() -> None:
     assert balanced["custom-call.3"] == pytest.approx(gemm / 8)
     # what moves is the 1024 rows sent (4 MiB), not the 8192-row receive buffer; the same price in
     # the profile and in the overlap analysis
-    sent = costs.transfer_time_us("ragged-all-to-all", 1024 * 2048 * 2, 8, costs.HARDWARE["mi300x"])
+    sent = links.transfer_time_us("ragged-all-to-all", 1024 * 2048 * 2, 8, costs.HARDWARE["mi300x"])
     assert full["ragged-all-to-all.1"] == pytest.approx(sent) == balanced["ragged-all-to-all.1"]
     (rec,) = hlo.analyze(_EP_HLO, "mi300x", grouped_fill=0.125).collectives
     assert rec.transfer_us == pytest.approx(sent)
@@ -437,7 +437,7 @@ _EP_ASYNC_HLO = "\n".join([
 
 
 def test_wrapped_ragged_exchange_priced_at_rows_sent() -> None:
-    sent = costs.transfer_time_us("ragged-all-to-all", 1024 * 2048 * 2, 8, costs.HARDWARE["mi300x"])
+    sent = links.transfer_time_us("ragged-all-to-all", 1024 * 2048 * 2, 8, costs.HARDWARE["mi300x"])
     assert pgle.profile_costs(_EP_ASYNC_HLO, "mi300x")["ragged-start"] == pytest.approx(sent)
 
 

@@ -41,7 +41,7 @@ from farskip_jax.config import MeshConfig
 from farskip_jax.model.moe import RoutedExperts, Routing, local_routed
 from farskip_jax.parallel import ExpertParallel, batch_sharding, make_mesh, param_shardings, place
 from farskip_jax.parallel.node_aware import expected_nodes_per_token, node_groups, stage_rows
-from farskip_jax.xla import costs
+from farskip_jax.xla import links
 from farskip_jax.xla.hlo_parse import parse_hlo
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices")
@@ -230,7 +230,7 @@ def test_collectives_per_layer():
 
         for name, fn in (("fwd", loss), ("fwd+bwd", jax.grad(loss))):
             text = jax.jit(fn).lower(*args).compile(FAST).as_text()
-            groups = [costs.group_members(ins, 8) for comp in parse_hlo(text).computations.values()
+            groups = [links.group_members(ins, 8) for comp in parse_hlo(text).computations.values()
                       for ins in comp.instrs if ins.opcode in ("all-to-all", "all-to-all-start")]
             counts[remat, name, "node"] = groups.count([0, 4])  # the group holding rank 0
             counts[remat, name, "local"] = groups.count([0, 1, 2, 3])
