@@ -44,6 +44,18 @@ from orbax.checkpoint._src.metadata.array_metadata_store import Store as _ArrayM
 from orbax.checkpoint._src.serialization.types import TransferPriority
 
 log = logging.getLogger(__name__)
+
+
+class _DropBoundedSaveNotice(logging.Filter):
+    """Drops Orbax's warning that no array is copied to the host inside `save()` ("No prioritized
+    params found for saving"): with a staging bound every copy is made in the background by design
+    (`_InBackground`), so the warning would be printed twice per checkpoint and mean nothing."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "No prioritized params found for saving" not in record.getMessage()
+
+
+logging.getLogger("absl").addFilter(_DropBoundedSaveNotice())  # Orbax logs through absl's logger
 ARRAY_ITEMS = ("params", "opt_state")  # beside them, "meta" (JSON)
 BEST_METRIC = "eval_metric"  # higher is better
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -184,3 +185,19 @@ def test_each_finished_save_hands_freed_host_memory_back(tmp_path, monkeypatch):
         mngr.wait()
         assert calls == [0, 0]
         mngr.close()
+
+
+def test_a_bounded_save_prints_no_orbax_warning(tmp_path, caplog):
+    """Every array's copy is made in the background by design; Orbax's warning about it is dropped
+    (it was printed twice per checkpoint in `make demo`), and nothing else it logs is."""
+    mesh = _mesh()
+    params, opt = _state(mesh)
+    mngr = CheckpointManager(tmp_path / "ckpt", keep=1, staging_gb=TINY_BOUND_GB)
+    with caplog.at_level(logging.INFO, logger="absl"):
+        mngr.save(1, params, opt, {"step": 1})
+        mngr.wait()
+        logging.getLogger("absl").warning("another warning")
+    mngr.close()
+    messages = [r.getMessage() for r in caplog.records]
+    assert "another warning" in messages  # the records of that logger do reach caplog
+    assert not any("No prioritized params" in m for m in messages)
