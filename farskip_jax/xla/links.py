@@ -44,24 +44,12 @@ _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 
 
 def group_size(ins: Instr, default: int) -> int:
-    """Devices in each of a collective's groups, from any of XLA's replica-group notations:
-    named mesh axes (jaxlib 0.12: ``mesh['data'=2,'expert'=4] {'expert'}``, the product of the listed
-    axes' sizes), iota (``[groups,size]<=[..]``) or explicit lists (``{{0,1,..}}``)."""
-    m = _MESH_GROUPS.search(ins.attrs)
-    if m:
-        sizes = {k.strip(" '\""): int(v) for k, v in re.findall(r"([^,=]+)=(\d+)", m.group(1))}
-        axes = [a.strip(" '\"") for a in m.group(2).split(",") if a.strip(" '\"")]
-        return math.prod(sizes[a] for a in axes) if axes and all(a in sizes for a in axes) else default
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]", ins.attrs)  # iota form [groups,size]<=[..]
-    if m:
-        return int(m.group(2))
-    m = re.search(r"replica_groups=\{\{([0-9,]*)\}", ins.attrs)
-    if m:
-        return len([x for x in m.group(1).split(",") if x]) or default
-    m = re.search(r"source_target_pairs=\{([^}]*)\}", ins.attrs)
-    if m:
-        return 2
-    return default
+    """Devices in each of a collective's groups (``group_members``' notations; a collective-permute's
+    source-target pairs: 2), or ``default`` where the op names no groups."""
+    members = group_members(ins, default)
+    if members:
+        return len(members)
+    return 2 if re.search(r"source_target_pairs=\{([^}]*)\}", ins.attrs) else default
 
 
 # A ragged all-to-all's frontend attribute: the rows it moves per device under balanced routing,
