@@ -228,6 +228,7 @@ def make_train_step(spec: LossSpec, s_graph: nnx.GraphDef, t_graph: nnx.GraphDef
     start, where the forward pass can run under the all-gathers (a weight is needed only when its
     layer comes), instead of at the end of this one, where nothing is left to run under them.
     """
+    tx = optax.with_extra_args_support(tx)  # the update is given the gradients' norm (train/optim.py)
     if shardings is None:
         to_grad = to_param = to_compute = lambda tree: tree
     else:
@@ -242,9 +243,15 @@ def make_train_step(spec: LossSpec, s_graph: nnx.GraphDef, t_graph: nnx.GraphDef
         normalizer = jnp.maximum(jnp.sum(token_mask(spec, batch).astype(jnp.float32)), 1.0)
 
         def grad_fn(p, mb):
-            return jax.value_and_grad(
-                lambda q: micro_loss(spec, s_graph, q, t_graph, t_params, mb, normalizer, 1.0 / num_micro,
-                                     parallel), has_aux=True)(p)
+            # The scale multiplies the loss, so it reaches the gradients through the backward pass's
+            # seed: scaling the gradients afterwards made XLA keep a scaled copy of each for its
+            # several readers (a full-size temporary per weight, BENCHMARKS A).
+            def scaled_loss(q):
+                loss, m = micro_loss(spec, s_graph, q, t_graph, t_params, mb, normalizer, 1.0 / num_micro,
+                                     parallel)
+                return loss * loss_scale, m
+
+            return jax.value_and_grad(scaled_loss, has_aux=True)(p)
 
         def body(carry, mb):
             g_acc, loss_acc, m_acc = carry
@@ -257,11 +264,7 @@ def make_train_step(spec: LossSpec, s_graph: nnx.GraphDef, t_graph: nnx.GraphDef
         m0 = {k: jnp.zeros((), jnp.float32) for k in _SUM_KEYS}
         (grads, loss, msum), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32), m0), batch)
         msum = {k: v / num_micro if k in _MEAN_KEYS else v for k, v in msum.items()}
-        loss = loss * loss_scale
-        # The scale is multiplied inside each consumer (a fused reduction here, the update below), so
-        # no scaled copy of the gradients is materialised.
-        scaled = lambda tree: jax.tree.map(lambda g: g * loss_scale, tree)
-        gnorm = optax.tree.norm(scaled(grads))
+        gnorm = optax.tree.norm(grads)
         void = (msum["moe_overflow"] > 0) | (after_void > 0)
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
         ok = finite & ~void
@@ -269,7 +272,7 @@ def make_train_step(spec: LossSpec, s_graph: nnx.GraphDef, t_graph: nnx.GraphDef
         # The update runs in the gradients' layout: each device updates its slice of every weight.
         def apply(p: nnx.State, opt_state: Any) -> tuple[nnx.State, Any]:
             local = to_grad(p)
-            updates, new_opt = tx.update(to_grad(scaled(grads)), opt_state, local)
+            updates, new_opt = tx.update(to_grad(grads), opt_state, local, global_norm=gnorm)
             return to_grad(optax.apply_updates(local, updates)), new_opt
 
         def keep(p: nnx.State, opt_state: Any) -> tuple[nnx.State, Any]:
