@@ -126,12 +126,14 @@ def describe(cfg: ModelConfig, mesh: dict[str, int], train: Config | None = None
         "hf_architecture": arch, "hf_model_type": hf["model_type"],
     }
     if train is not None and layout == "ep":
-        # The trainer's state: fp32 master weights, AdamW's two fp32 moments (ZeRO-1: the replicated
-        # weights' moments sharded over every device), FCSD's frozen teacher in train.teacher_dtype.
+        # The trainer's state between steps: master weights, AdamW's two fp32 moments, FCSD's frozen
+        # teacher in train.teacher_dtype. ZeRO-1 (train/zero1.py) splits the replicated weights'
+        # masters and moments over every device; each step gathers the masters in the compute dtype
+        # (a temporary of the step, like the activations).
         devices = mesh["data"] * mesh["expert"]
         replicated = sum(per_device(s.path, s.shape) for s in specs if not _is_routed(s.path))
-        moments = 2 * 4 * (weights - replicated + (replicated / devices if train.train.zero1 else replicated))
-        state = weights * DTYPE_BYTES[cfg.param_dtype] + moments
+        owned = weights - replicated + (replicated / devices if train.train.zero1 else replicated)
+        state = owned * DTYPE_BYTES[cfg.param_dtype] + 2 * 4 * owned
         if train.train.mode == "fcsd":
             state += weights * DTYPE_BYTES[train.train.teacher_dtype]
         out["training_state_bytes_per_device"] = state

@@ -4,6 +4,7 @@ HF model itself (torch), active parameters and bytes per device from its named p
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -64,3 +65,24 @@ def test_describe_a_config_and_its_errors() -> None:
     bad = _describe("--config", "dsv2lite", "--mesh", "expert=3")
     assert bad.returncode == 2 and "64 routed experts do not split" in bad.stderr, bad.stderr
     assert _describe("--checkpoint", "/nonexistent").returncode == 2
+
+
+def test_training_state_is_what_the_trainer_holds_per_device() -> None:
+    """describe's training state per device == the bytes of one device's shards of the trainer's own
+    state and teacher (ZeRO-1 keeps the replicated weights' masters and moments split)."""
+    import jax
+
+    from farskip_jax.config import load_config
+    from farskip_jax.parallel.mesh import make_mesh
+    from farskip_jax.train.program import build_program
+
+    res = _describe("--config", "tiny", "--mesh", "expert=8", "--json")
+    assert res.returncode == 0, res.stderr
+    described = json.loads(res.stdout)["training_state_bytes_per_device"]
+    cfg = load_config("tiny", {"mesh.expert": 8})
+    prog = build_program(cfg, make_mesh(cfg.mesh, jax.devices()[:8]))
+    trees = (prog.abstract_state()["params"], prog.abstract_state()["opt_state"], prog.abstract_teacher())
+    held = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+               for x in jax.tree.leaves(trees) if x.ndim > 0)
+    assert cfg.train.zero1 and cfg.train.mode == "fcsd"
+    assert described == pytest.approx(held, rel=1e-9)
