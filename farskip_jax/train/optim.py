@@ -43,9 +43,9 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
     one scalar factor, with the norm passed in as `global_norm=` when the caller has it.
 
     Why not optax's: it computes the norm again and its clipped gradients, read by both Adam
-    moments, were materialised by XLA as a full-size copy of every gradient (3 x 704 MiB for
-    DSV2-Lite's expert stacks at 2 layers, written to fresh memory every step: 1.3-2.9 s of a 6 s CPU
-    step, BENCHMARKS A). A scalar factor fuses into each moment's update. The state is optax's
+    moments, were materialised by XLA as a full-size copy of every gradient (704 MiB per expert
+    stack of a DSV2-Lite MoE layer in fp32, written to fresh memory every step: 1.3-2.9 s of a 6 s
+    CPU step, BENCHMARKS A). A scalar factor fuses into each moment's update. The state is optax's
     (EmptyState), so checkpoints keep their layout.
     """
     def update(updates: Any, state: optax.EmptyState, params: Any = None, *,
