@@ -56,6 +56,7 @@ class _DropBoundedSaveNotice(logging.Filter):
 
 
 logging.getLogger("absl").addFilter(_DropBoundedSaveNotice())  # Orbax logs through absl's logger
+
 ARRAY_ITEMS = ("params", "opt_state")  # beside them, "meta" (JSON)
 BEST_METRIC = "eval_metric"  # higher is better
 

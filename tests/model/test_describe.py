@@ -81,7 +81,8 @@ def test_training_state_is_what_the_trainer_holds_per_device() -> None:
     described = json.loads(res.stdout)["training_state_bytes_per_device"]
     cfg = load_config("tiny", {"mesh.expert": 8})
     prog = build_program(cfg, make_mesh(cfg.mesh, jax.devices()[:8]))
-    trees = (prog.abstract_state()["params"], prog.abstract_state()["opt_state"], prog.abstract_teacher())
+    state = prog.abstract_state()
+    trees = (state["params"], state["opt_state"], prog.abstract_teacher())
     held = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
                for x in jax.tree.leaves(trees) if x.ndim > 0)
     assert cfg.train.zero1 and cfg.train.mode == "fcsd"
