@@ -4,12 +4,22 @@ Pallas Mosaic GPU kernel for Hopper (`tokamax_ragged_dot`).
 
 Blocked (CPU). Why: on XLA:CPU `jax.lax.ragged_dot` is a masked dense matmul over every group, and
 the padded [G, C, D] buffer of model/dispatch.py gives every group C = all rows (dropless), so both
-compute G/K times the rows the tokens really send (10.7x for DSV2-Lite top-6 of 64). Here the sorted
-rows are cut into blocks of `block` rows that each lie inside one group: sum_g ceil(count_g / block)
-<= R/block + G blocks, a dynamic trip count of one `lax.fori_loop`. Each block multiplies its rows
-by its group's weight slice and writes back only the rows of that group (masked), so a block may
-overhang into the next group's rows without clobbering them. The backward pass (custom VJP) walks
-the same blocks: dx with the weight slice transposed, dW of each group accumulated block by block.
+compute G/K times the rows the tokens really send (10.7x for DSV2-Lite top-6 of 64). Here each
+group's rows go two ways:
+- the head: its first `head` rows (at most; a little over the average group at DSV2-Lite's widths
+  on 256 tokens), gathered into a [G, head, D] buffer and multiplied by one batched matmul that
+  reads every weight in place;
+- the tail: the rest, cut into blocks of `block` rows that each lie inside one group:
+  sum_g ceil(tail_g / block) <= R/block + G blocks, a dynamic trip count of one `lax.fori_loop`.
+  Each block multiplies its rows by its group's weight slice and writes back only the rows of that
+  group (masked), so a block may overhang into the next group's rows without clobbering them.
+Why both: a loop block costs a copy of its group's [D, F] weight slice (XLA:CPU materialises a
+dynamic slice before a dot) and a dot of few rows; one batched matmul over all groups has neither,
+but a static head must be padded to it. With the head near the average group, balanced routing
+leaves the loop a few blocks and skewed routing still computes only real rows plus at most a block
+per group (BENCHMARKS.md A). The backward pass (custom VJP) splits the same way: dx and dW of the
+head as batched matmuls, the tail's blocks in the loop (dx with the weight slice transposed, dW of
+each group accumulated block by block onto the head's).
 GPUs do not get it: a while loop is opaque to XLA's latency-hiding scheduler, which would hide
 nothing under it.
 
@@ -28,56 +38,93 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Rows per block. DSV2-Lite top-6 of 64 experts on 256 tokens averages 24 rows per expert: 32 keeps
-# most groups to one block (each block re-reads its group's [D, F] weight slice) while wasting at
-# most 31 rows of compute per group.
+# Rows per loop block. DSV2-Lite top-6 of 64 experts on 256 tokens averages 24 rows per expert; a
+# group's rows past the head are few under balanced routing (one block) and many only when routing
+# is skewed, where larger blocks re-read the group's [D, F] weight slice fewer times.
 DEFAULT_BLOCK = 32
+# Rows of each group in the batched head: DSV2-Lite top-6 of 64 on 256 tokens averages 24 rows per
+# expert, and uniform routing keeps ~90% of the groups within 32 (BENCHMARKS.md A). A constant, not
+# a share of the buffer's rows: the bounded and the worst-case buffers (model/dispatch.py
+# `moe_buffer`) then run every row through the same shapes, so an overflow's re-run gives the
+# bounded program's result bit for bit.
+DEFAULT_HEAD = 32
 
 
-def _schedule(starts_g: jax.Array, rows: int, block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(number of blocks, group of each block, first row of each block), padded to the static bound."""
+class _Layout(NamedTuple):
+    """Where each group's head rows are: gathered into [G, head] slots, and back into rows."""
+
+    row_gh: jax.Array  # [G, head] row of each slot (0 where the group has fewer rows)
+    filled_gh: jax.Array  # [G, head] whether the slot holds a row
+    slot_r: jax.Array  # [R] flat slot (g * head + position) of each head row (0 elsewhere)
+    in_head_r: jax.Array  # [R] whether the row is in its group's head
+    tail_first_g: jax.Array  # [G] first row of each group's tail (its end when it has none)
+
+
+def _layout(starts_g: jax.Array, rows: int, head: int) -> _Layout:
     num_groups = starts_g.shape[0] - 1
-    blocks_g = (jnp.diff(starts_g) + block - 1) // block
-    end_g = jnp.cumsum(blocks_g)
-    i = jnp.arange(-(-rows // block) + num_groups, dtype=jnp.int32)
-    group_i = jnp.minimum(jnp.searchsorted(end_g, i, side="right"), num_groups - 1).astype(jnp.int32)
-    first_i = starts_g[group_i] + (i - (end_g - blocks_g)[group_i]) * block
-    return end_g[-1], group_i, first_i
+    position_h = jnp.arange(head, dtype=jnp.int32)
+    filled_gh = position_h < jnp.diff(starts_g)[:, None]
+    row_gh = jnp.where(filled_gh, starts_g[:-1, None] + position_h, 0)
+    row_r = jnp.arange(rows, dtype=jnp.int32)
+    group_r = jnp.searchsorted(starts_g[1:], row_r, side="right", method="scan_unrolled").astype(jnp.int32)
+    group_r = jnp.minimum(group_r, num_groups - 1)  # rows past the last group: not in its head below
+    position_r = row_r - starts_g[group_r]
+    in_head_r = (row_r < starts_g[-1]) & (position_r < head)
+    slot_r = jnp.where(in_head_r, group_r * head + position_r, 0)
+    return _Layout(row_gh, filled_gh, slot_r, in_head_r, jnp.minimum(starts_g[:-1] + head, starts_g[1:]))
+
+
+def _to_slots(a_rk: jax.Array, lay: _Layout) -> jax.Array:
+    """[G, head, K]: each group's head rows of `a_rk`, zero in empty slots."""
+    return jnp.where(lay.filled_gh[..., None], a_rk[lay.row_gh], 0)
+
+
+def _to_rows(a_ghk: jax.Array, lay: _Layout) -> jax.Array:
+    """[R, K]: each head row's slot of `a_ghk`, zero for the other rows (the loop writes the tail)."""
+    g, h, k = a_ghk.shape
+    if h == 0:  # no head: a gather from an empty array is not defined
+        return jnp.zeros((lay.slot_r.shape[0], k), a_ghk.dtype)
+    return jnp.where(lay.in_head_r[:, None], a_ghk.reshape(g * h, k)[lay.slot_r], 0)
 
 
 def _for_blocks(body: Callable[[Any, jax.Array, jax.Array, jax.Array], Any], init: Any,
-                starts_g: jax.Array, rows: int, block: int) -> Any:
-    """fori_loop over the blocks: body(carry, group, window start, [block] mask of the group's rows).
+                first_g: jax.Array, end_g: jax.Array, rows: int, block: int) -> Any:
+    """fori_loop over the blocks covering rows [first_g[g], end_g[g]) of each group g:
+    body(carry, group, window start, [block] mask of the block's rows in that range).
 
     The window is clamped to end at row R (no padded copy of x); the mask then drops the rows before
-    the block's first row as well as those past its group's end.
+    the block's first row as well as those past its group's range.
     """
-    total, group_i, first_i = _schedule(starts_g, rows, block)
+    num_groups = first_g.shape[0]
+    blocks_g = (end_g - first_g + block - 1) // block
+    last_g = jnp.cumsum(blocks_g)
+    i = jnp.arange(-(-rows // block) + num_groups, dtype=jnp.int32)  # the static bound on blocks
+    group_i = jnp.minimum(jnp.searchsorted(last_g, i, side="right"), num_groups - 1).astype(jnp.int32)
+    first_i = first_g[group_i] + (i - (last_g - blocks_g)[group_i]) * block
 
     def step(i: jax.Array, carry: Any) -> Any:
         g, first = group_i[i], first_i[i]
         start = jnp.minimum(first, rows - block)
         row = start + jnp.arange(block, dtype=jnp.int32)
-        return body(carry, g, start, (row >= first) & (row < starts_g[g + 1]))
+        return body(carry, g, start, (row >= first) & (row < end_g[g]))
 
-    return jax.lax.fori_loop(0, total, step, init)
+    return jax.lax.fori_loop(0, last_g[-1], step, init)
 
 
-def _zeros(shape: tuple[int, ...], dtype: Any, *like: jax.Array) -> jax.Array:
-    """Zeros varying over the shard_map axes any of `like` varies over: a loop carry's type must
-    match its body's output, which mixes in x, w and the group bounds (expert-parallel shard_map).
-    A select with a constant-true predicate takes each operand's axes (and XLA folds it away)."""
-    z = jnp.zeros(shape, dtype)
-    for a in like:
-        other = jnp.broadcast_to(a.reshape(-1)[0].astype(dtype), shape)
-        z = jax.lax.select(jnp.ones(shape, bool), z, other)
-    return z
+def _typed_alike(a: jax.Array, *like: jax.Array) -> jax.Array:
+    """`a` varying over the shard_map axes any of `like` varies over: a loop carry's type must match
+    its body's output, which mixes in x, w and the group bounds (expert-parallel shard_map). A select
+    with a constant-true predicate takes each operand's axes (and XLA folds it away)."""
+    for b in like:
+        other = jnp.broadcast_to(b.reshape(-1)[0].astype(a.dtype), a.shape)
+        a = jax.lax.select(jnp.ones(a.shape, bool), a, other)
+    return a
 
 
 def _write(out: jax.Array, new: jax.Array, start: jax.Array, mask: jax.Array) -> jax.Array:
@@ -85,29 +132,36 @@ def _write(out: jax.Array, new: jax.Array, start: jax.Array, mask: jax.Array) ->
     return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mask[:, None], new, old), start, 0)
 
 
-def _forward(x_rd: jax.Array, w_gdf: jax.Array, starts_g: jax.Array, block: int) -> jax.Array:
+def _forward(x_rd: jax.Array, w_gdf: jax.Array, starts_g: jax.Array, block: int, head: int) -> jax.Array:
     rows = x_rd.shape[0]
+    lay = _layout(starts_g, rows, head)
+    y_rf = _to_rows(jnp.einsum("ghd,gdf->ghf", _to_slots(x_rd, lay), w_gdf), lay)
 
     def body(y: jax.Array, g: jax.Array, start: jax.Array, mask: jax.Array) -> jax.Array:
         xb = jax.lax.dynamic_slice_in_dim(x_rd, start, block)
         return _write(y, xb @ jax.lax.dynamic_index_in_dim(w_gdf, g, keepdims=False), start, mask)
 
-    y0 = _zeros((rows, w_gdf.shape[2]), jnp.result_type(x_rd, w_gdf), x_rd, w_gdf, starts_g)
-    return _for_blocks(body, y0, starts_g, rows, block)
+    y0 = _typed_alike(y_rf.astype(jnp.result_type(x_rd, w_gdf)), x_rd, w_gdf, starts_g)
+    return _for_blocks(body, y0, lay.tail_first_g, starts_g[1:], rows, block)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _blocked(x_rd: jax.Array, w_gdf: jax.Array, starts_g: jax.Array, block: int) -> jax.Array:
-    return _forward(x_rd, w_gdf, starts_g, block)
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _blocked(x_rd: jax.Array, w_gdf: jax.Array, starts_g: jax.Array, block: int, head: int) -> jax.Array:
+    return _forward(x_rd, w_gdf, starts_g, block, head)
 
 
-def _blocked_fwd(x_rd: jax.Array, w_gdf: jax.Array, starts_g: jax.Array, block: int):
-    return _forward(x_rd, w_gdf, starts_g, block), (x_rd, w_gdf, starts_g)
+def _blocked_fwd(x_rd: jax.Array, w_gdf: jax.Array, starts_g: jax.Array, block: int, head: int):
+    return _forward(x_rd, w_gdf, starts_g, block, head), (x_rd, w_gdf, starts_g)
 
 
-def _blocked_bwd(block: int, res: tuple[jax.Array, jax.Array, jax.Array], dy_rf: jax.Array):
+def _blocked_bwd(block: int, head: int, res: tuple[jax.Array, jax.Array, jax.Array], dy_rf: jax.Array):
     x_rd, w_gdf, starts_g = res
     rows = x_rd.shape[0]
+    lay = _layout(starts_g, rows, head)
+    dy_ghf = _to_slots(dy_rf, lay)
+    dx_head = _to_rows(jnp.einsum("ghf,gdf->ghd", dy_ghf, w_gdf), lay)
+    # fp32 accumulation across a group's head and blocks (bf16 weights would otherwise round per block).
+    dw_head = jnp.einsum("ghd,ghf->gdf", _to_slots(x_rd, lay), dy_ghf, preferred_element_type=jnp.float32)
 
     def body(carry: tuple[jax.Array, jax.Array], g: jax.Array, start: jax.Array, mask: jax.Array):
         dx, dw = carry
@@ -116,14 +170,13 @@ def _blocked_bwd(block: int, res: tuple[jax.Array, jax.Array, jax.Array], dy_rf:
         dyb = jnp.where(mask[:, None], jax.lax.dynamic_slice_in_dim(dy_rf, start, block), 0)
         xb = jax.lax.dynamic_slice_in_dim(x_rd, start, block)
         dx = _write(dx, jnp.einsum("bf,df->bd", dyb, w_df).astype(dx.dtype), start, mask)
-        # fp32 accumulation across a group's blocks (bf16 weights would otherwise round per block).
         dw_g = jax.lax.dynamic_index_in_dim(dw, g, keepdims=False)
         dw_g = dw_g + jnp.einsum("bd,bf->df", xb, dyb, preferred_element_type=jnp.float32)
         return dx, jax.lax.dynamic_update_index_in_dim(dw, dw_g, g, 0)
 
     like = (x_rd, w_gdf, starts_g, dy_rf)
-    init = (_zeros(x_rd.shape, x_rd.dtype, *like), _zeros(w_gdf.shape, jnp.float32, *like))
-    dx, dw = _for_blocks(body, init, starts_g, rows, block)
+    init = (_typed_alike(dx_head.astype(x_rd.dtype), *like), _typed_alike(dw_head, *like))
+    dx, dw = _for_blocks(body, init, lay.tail_first_g, starts_g[1:], rows, block)
     return dx, dw.astype(w_gdf.dtype), None
 
 
@@ -131,11 +184,14 @@ _blocked.defvjp(_blocked_fwd, _blocked_bwd)
 
 
 def blocked_matmul(x_rd: jax.Array, w_gdf: jax.Array, starts_g: jax.Array,
-                   block: int = DEFAULT_BLOCK) -> jax.Array:
+                   block: int = DEFAULT_BLOCK, head: int = DEFAULT_HEAD) -> jax.Array:
     """[R, F]: row r of `x_rd` times w[g] for the group g whose rows [starts_g[g], starts_g[g+1])
-    hold r; rows past starts_g[G] are 0 (gradients to x and w flow only from rows inside groups)."""
+    hold r; rows past starts_g[G] are 0 (gradients to x and w flow only from rows inside groups).
+
+    `head`: rows of each group in the batched matmul (0: all in the loop), `block`: rows per loop
+    block for the rest. Both change the speed only, never the result's rows."""
     block = max(1, min(block, x_rd.shape[0]))
-    return _blocked(*_vary_alike(x_rd, w_gdf, jnp.asarray(starts_g, jnp.int32)), block)
+    return _blocked(*_vary_alike(x_rd, w_gdf, jnp.asarray(starts_g, jnp.int32)), block, max(0, head))
 
 
 def _vary_alike(*arrays: jax.Array) -> tuple[jax.Array, ...]:

@@ -2,7 +2,9 @@
 
 Blocked: fp32, forward and gradients to x and to the weights, <= 1e-6, on group layouts that
 exercise every block case: empty groups, groups longer than a block, a block overhanging the next
-group, rows past the last group, and a last block clamped to the end of the rows.
+group, rows past the last group, and a last block clamped to the end of the rows; with no batched
+head (all rows in the loop), a head shorter than some groups (their tails in the loop), and the
+default head.
 
 tokamax: the kernel (Mosaic GPU) cannot run here, so `tokamax_ragged_dot` runs with tokamax's "xla"
 implementation, which has the same API: that checks what is ours, the custom VJP (the dimension
@@ -44,29 +46,39 @@ def _setup(sizes: list[int], rows: int, seed: int = 0):
     return x, w, starts, valid
 
 
-@pytest.mark.parametrize("block", [1, 3, 4, 64])
+# (rows per loop block, rows per group in the batched head; None: the default head, longer than every
+# group here)
+BLOCK_HEAD = [(1, 0), (3, 0), (64, 0), (1, 2), (3, 1), (4, 5), (2, None), (64, None)]
+
+
+def _block_head(block: int, head: int | None) -> tuple[int, ...]:
+    return (block,) if head is None else (block, head)
+
+
+@pytest.mark.parametrize(("block", "head"), BLOCK_HEAD)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_blocked_matmul_equals_numpy_and_zero_past_groups(layout, block):
+def test_blocked_matmul_equals_numpy_and_zero_past_groups(layout, block, head):
     sizes, rows = LAYOUTS[layout]
     x, w, starts, valid = _setup(sizes, rows)
-    y = np.asarray(jax.jit(lambda a, b, s: blocked_matmul(a, b, s, block))(x, w, starts))
+    y = np.asarray(jax.jit(lambda a, b, s: blocked_matmul(a, b, s, *_block_head(block, head)))(x, w, starts))
     group = np.repeat(np.arange(len(sizes)), sizes)
     want = np.einsum("rd,rdf->rf", np.asarray(x)[: len(group)], np.asarray(w)[group])
     np.testing.assert_allclose(y[: len(group)], want, rtol=TOL, atol=TOL)
     assert not y[~np.asarray(valid)].any()
 
 
-@pytest.mark.parametrize("block", [2, 4])
+@pytest.mark.parametrize(("block", "head"), [(2, 0), (4, 0), (2, 1), (4, 3), (2, None)])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_blocked_ffn_equals_padded_forward_and_gradients(layout, block, monkeypatch):
+def test_blocked_ffn_equals_padded_forward_and_gradients(layout, block, head, monkeypatch):
     sizes, rows = LAYOUTS[layout]
     x, wg, starts, valid = _setup(sizes, rows, seed=1)
     _, wu, _, _ = _setup(sizes, rows, seed=2)
     rng = np.random.default_rng(3)
     wd = jnp.asarray(rng.standard_normal((len(sizes), wg.shape[2], x.shape[1])), jnp.float32)
     cot = jnp.asarray(rng.standard_normal((rows, x.shape[1])), jnp.float32)
-    # grouped_ffn uses the default block; a small one here gives groups of several blocks.
-    monkeypatch.setattr(dispatch, "blocked_matmul", lambda a, b, s: blocked_matmul(a, b, s, block))
+    # grouped_ffn uses the default block and head; small ones give groups of several blocks.
+    blocked = lambda a, b, s: blocked_matmul(a, b, s, *_block_head(block, head))  # noqa: E731
+    monkeypatch.setattr(dispatch, "blocked_matmul", blocked)
 
     def loss(matmul: str):
         def f(x, wg, wu, wd):
