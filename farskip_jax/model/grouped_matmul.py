@@ -15,11 +15,12 @@ group's rows go two ways:
   group (masked), so a block may overhang into the next group's rows without clobbering them.
 Why both: a loop block costs a copy of its group's [D, F] weight slice (XLA:CPU materialises a
 dynamic slice before a dot) and a dot of few rows; one batched matmul over all groups has neither,
-but a static head must be padded to it. With the head near the average group, balanced routing
-leaves the loop a few blocks and skewed routing still computes only real rows plus at most a block
-per group (BENCHMARKS.md A). The backward pass (custom VJP) splits the same way: dx and dW of the
-head as batched matmuls, the tail's blocks in the loop (dx with the weight slice transposed, dW of
-each group accumulated block by block onto the head's).
+but computes G x head rows whatever the groups hold. With the head near the average group, balanced
+routing leaves the loop a few blocks, and under skewed routing the loop computes only the real rows
+past the heads (plus at most one block's overhang per group) (BENCHMARKS.md A). The backward pass
+(custom VJP) splits the same way: dx and dW of the head as batched matmuls, the tail's blocks in
+the loop (dx with the weight slice transposed, dW of each group accumulated block by block onto
+the head's).
 GPUs do not get it: a while loop is opaque to XLA's latency-hiding scheduler, which would hide
 nothing under it.
 
@@ -189,7 +190,8 @@ def blocked_matmul(x_rd: jax.Array, w_gdf: jax.Array, starts_g: jax.Array,
     hold r; rows past starts_g[G] are 0 (gradients to x and w flow only from rows inside groups).
 
     `head`: rows of each group in the batched matmul (0: all in the loop), `block`: rows per loop
-    block for the rest. Both change the speed only, never the result's rows."""
+    block for the rest. Both set the speed, not the result (each row's products are the same; on
+    XLA:CPU the values came out bitwise equal, BENCHMARKS.md A)."""
     block = max(1, min(block, x_rd.shape[0]))
     return _blocked(*_vary_alike(x_rd, w_gdf, jnp.asarray(starts_g, jnp.int32)), block, max(0, head))
 
