@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from farskip_jax.config import ExecutionConfig, ModelConfig
 from farskip_jax.model import schedule
-from farskip_jax.model.grouped_matmul import blocked_matmul, tokamax_ragged_dot
+from farskip_jax.model.grouped_matmul import blocked_matmul, group_of_rows, tokamax_ragged_dot
 from farskip_jax.platforms import device_family
 
 ExpertMatmul = Literal["ragged", "tokamax", "padded", "blocked"]
@@ -183,11 +183,6 @@ def group_starts(sorted_ids: jax.Array, num_groups: int) -> jax.Array:
     bounds = jnp.arange(num_groups + 1, dtype=sorted_ids.dtype)
     # Binary search (unrolled, log2 R steps over G+1 queries): no [R, G] comparison matrix.
     return jnp.searchsorted(sorted_ids, bounds, side="left", method="scan_unrolled").astype(jnp.int32)
-
-
-def group_of_rows(starts_g: jax.Array, rows: jax.Array) -> jax.Array:
-    """Group of each sorted row; rows past the last group get G."""
-    return jnp.searchsorted(starts_g[1:], rows, side="right", method="scan_unrolled").astype(jnp.int32)
 
 
 class Sorted(NamedTuple):

@@ -57,6 +57,11 @@ DEFAULT_BLOCK = 32
 DEFAULT_HEAD = 32
 
 
+def group_of_rows(starts_g: jax.Array, rows: jax.Array) -> jax.Array:
+    """Group of each sorted row; rows past the last group get G."""
+    return jnp.searchsorted(starts_g[1:], rows, side="right", method="scan_unrolled").astype(jnp.int32)
+
+
 class _Layout(NamedTuple):
     """Where each group's head rows are: gathered into [G, head] slots, and back into rows."""
 
@@ -73,8 +78,8 @@ def _layout(starts_g: jax.Array, rows: int, head: int) -> _Layout:
     filled_gh = position_h < jnp.diff(starts_g)[:, None]
     row_gh = jnp.where(filled_gh, starts_g[:-1, None] + position_h, 0)
     row_r = jnp.arange(rows, dtype=jnp.int32)
-    group_r = jnp.searchsorted(starts_g[1:], row_r, side="right", method="scan_unrolled").astype(jnp.int32)
-    group_r = jnp.minimum(group_r, num_groups - 1)  # rows past the last group: not in its head below
+    # Rows past the last group get the last group here; `in_head_r` leaves them out.
+    group_r = jnp.minimum(group_of_rows(starts_g, row_r), num_groups - 1)
     position_r = row_r - starts_g[group_r]
     in_head_r = (row_r < starts_g[-1]) & (position_r < head)
     slot_r = jnp.where(in_head_r, group_r * head + position_r, 0)
