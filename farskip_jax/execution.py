@@ -69,8 +69,18 @@ class ExecutionConfig:
     attention_block_q: int = 512
     attention_block_kv: int = 512
     # save_a2a: recompute each layer in the backward pass except the expert-parallel all-to-all
-    # outputs, so Dispatch and Combine are not run again.
-    remat: Literal["none", "full", "save_dots", "save_a2a"] = "none"
+    # outputs, so Dispatch and Combine are not run again. auto: the trainer (and the inspector)
+    # compile the train step with none, save_a2a, save_dots, full in that order (most kept first)
+    # and run the first whose peak fits the budget below (farskip_jax/train/remat.py).
+    remat: Literal["auto", "none", "full", "save_dots", "save_a2a"] = "none"
+    # remat=auto's budget per device: this share of the device's HBM (0.8: XLA's GPU scheduler
+    # plans with 80% of device memory itself, and a step past it lost its overlap: BENCHMARKS K4),
+    # never above what JAX's allocator may hand out (XLA_PYTHON_CLIENT_MEM_FRACTION). The overflow
+    # re-run's worst-case program recomputes more than the bounded step where that does not fit.
+    remat_hbm_fraction: float = 0.8
+    # > 0: the budget in GiB instead (a GPU whose HBM farskip_jax does not know, room kept for
+    # something else, or a CPU run, where no budget is known and auto means none).
+    remat_budget_gib: float = 0.0
     # Unrolled layers (default) leave XLA free to overlap layer k's Combine with layer k+1's
     # attention; "scan" runs equal consecutive layers in one lax.scan (a measurement option: it
     # stacks their weights every step, see model/transformer.py:_scan_layers).
@@ -102,6 +112,12 @@ class ExecutionConfig:
         for name in ("attention_block_q", "attention_block_kv", "tp_microbatches", "batch_split"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"execution.{name} must be > 0, got {getattr(self, name)}")
+        if not 0 < self.remat_hbm_fraction <= 1:
+            raise ConfigError(f"execution.remat_hbm_fraction must be in (0, 1], got "
+                              f"{self.remat_hbm_fraction}")
+        if self.remat_budget_gib < 0:
+            raise ConfigError(f"execution.remat_budget_gib must be >= 0 (0: from the device), got "
+                              f"{self.remat_budget_gib}")
         if self.moe_buffer_factor != 0 and self.moe_buffer_factor < 1:
             raise ConfigError(f"execution.moe_buffer_factor must be 0 (always the worst case) or >= 1 "
                               f"(times the balanced rows), got {self.moe_buffer_factor}")

@@ -131,6 +131,33 @@ def _compile(fn: Any, specs: Sequence[Any], args: argparse.Namespace,
                         ) from e
 
 
+def _compile_mode(built: Any, mode: str, args: argparse.Namespace, out: Path) -> tuple[Any, dict[str, Any]]:
+    """Compiles one mode's step; a `remat.Search` (execution.remat=auto) policy after policy until
+    one fits the target's HBM budget, as the trainer does on the device (train/remat.py)."""
+    from farskip_jax import targets
+    from farskip_jax.train import remat
+
+    def compile_one(fn: Any, specs: Any, label: str) -> tuple[Any, dict[str, Any]]:
+        with _ticker(f"[{mode}] compiling for {args.target}{label}"):
+            return _compile(fn, specs, args, out / f"pgle_{mode}")
+
+    if not isinstance(built, remat.Search):
+        return compile_one(*built, "")
+
+    def compile_peak(policy: str) -> tuple[Any, int | None]:
+        art, extra = compile_one(*built.build(policy), f" (execution.remat={policy})")
+        return (art, extra), (art.memory or {}).get("peak_bytes_per_device")
+
+    hbm = targets.device_memory_size(args.target) if args.target in targets.SPEC_FILES else None
+    choice = remat.choose(built.policies, compile_peak, built.budget(hbm), agree=lambda fits: fits)
+    if choice.compiled is None:  # no budget known: the first policy, as the trainer runs it
+        return compile_one(*built.build(choice.policy), f" (execution.remat={choice.policy})")
+    art, extra = choice.compiled
+    extra["remat_auto"] = {"policy": choice.policy, "budget_bytes": choice.budget, "peaks": choice.peaks}
+    print(f"[{mode}] execution.remat=auto: {choice.describe()}")
+    return art, extra
+
+
 def run_inspect(args: argparse.Namespace, build_step: BuildStep,
                 useful_flops: Callable[[str], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Compile, analyse and report every mode in ``args.modes``; returns the reports by mode.
@@ -152,9 +179,7 @@ def run_inspect(args: argparse.Namespace, build_step: BuildStep,
     reports: dict[str, Any] = {}
     analyses: dict[str, Any] = {}
     for mode in modes:
-        fn, specs = build_step(mesh, mode)
-        with _ticker(f"[{mode}] compiling for {args.target}"):
-            art, extra = _compile(fn, specs, args, out / f"pgle_{mode}")
+        art, extra = _compile_mode(build_step(mesh, mode), mode, args, out)
         analysis = hlo.analyze(art.hlo_text, args.target, art.lhs_schedule_text, grouped_fill(args),
                                declared_rows(args))
         analyses[mode] = analysis

@@ -125,6 +125,15 @@ def memory_markdown(mem: dict[str, Any] | None) -> list[str]:
             f"(XLA's simulated live peak: {size_str(mem.get('xla_live_peak_bytes') or 0)})."]
 
 
+def _remat_auto_markdown(auto: dict[str, Any] | None) -> list[str]:
+    """What `execution.remat: auto` compiled and kept (train/remat.py), when it chose."""
+    if not auto:
+        return []
+    tried = ", ".join(f"{p} {size_str(b)}" for p, b in auto["peaks"].items())
+    return [f"execution.remat=auto: {auto['policy']} (peak per device of each policy compiled: {tried}; "
+            f"budget {size_str(auto['budget_bytes'])}).", ""]
+
+
 def markdown(report: dict[str, Any], max_rows: int = 200) -> str:
     """Markdown summary: totals per kind and direction, then one row per collective."""
     t = report["totals"]
@@ -132,6 +141,7 @@ def markdown(report: dict[str, Any], max_rows: int = 200) -> str:
              f"Estimated step {t['est_step_us']:.1f} us, compute {t['est_compute_us']:.1f} us.", "",
              *[x for line in accounting_markdown(report.get("accounting")) for x in (line, "")],
              *memory_markdown(report.get("memory")), "",
+             *_remat_auto_markdown(report.get("meta", {}).get("remat_auto")),
              "Direction: backward = reads a value computed from the loss's cotangent (data flow over the "
              "scheduled HLO), so XLA's nameless gradient all-reduces count as backward; "
              "'bwd*' = a forward collective recomputed by jax.checkpoint inside the backward.", "",

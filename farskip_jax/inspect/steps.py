@@ -87,10 +87,16 @@ def build_fcsd_step(cfg: Config, seqs_per_device: int, seq_len: int
     off; `config_for`); the teacher is regular either way. Its collectives are reported apart when
     the step traces the teacher inside ``jax.named_scope("teacher")``.
     """
+    from farskip_jax.train import remat
     from farskip_jax.train.program import abstract_train_step
 
     def build(mesh: Mesh, mode: str):
-        return abstract_train_step(config_for(cfg, mode), mesh, seqs_per_device, seq_len)
+        run = config_for(cfg, mode)
+        if run.execution.remat == "auto":  # compiled per policy until one fits (cli.run_inspect)
+            return remat.Search(remat.candidates("auto", mesh.shape.get("expert", 1) > 1),
+                                lambda p: abstract_train_step(remat.with_remat(run, p), mesh, seqs_per_device,
+                                                              seq_len), run.execution)
+        return abstract_train_step(run, mesh, seqs_per_device, seq_len)
 
     return build
 

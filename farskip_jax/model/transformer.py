@@ -334,7 +334,9 @@ def _join_batch(vs: list[jax.Array], shards: int) -> jax.Array:
 
 
 def _maybe_remat(layer: DecoderLayer, policy: str):
-    if policy == "none":
+    # "auto" is resolved to one of the others before a train step is built (train/remat.py); any
+    # other program runs the model forward only, where every policy is the same program.
+    if policy in ("none", "auto"):
         return layer
     kwargs = {}
     if policy == "save_dots":
@@ -350,7 +352,7 @@ def _maybe_remat(layer: DecoderLayer, policy: str):
         # EP=8 on H200: 24 us of compute under a 200 us transfer in every MoE layer's backward).
         kwargs["policy"] = jax.checkpoint_policies.save_only_these_names(A2A_COUNTS)
     else:
-        raise ValueError(f"remat={policy!r}: expected none, full, save_dots or save_a2a")
+        raise ValueError(f"remat={policy!r}: expected auto, none, full, save_dots or save_a2a")
     return _RematCall(layer, kwargs)
 
 

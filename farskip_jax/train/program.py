@@ -25,6 +25,7 @@ from farskip_jax.config import Config, ExecutionConfig, ModelConfig, TrainConfig
 from farskip_jax.errors import UserError
 from farskip_jax.model.transformer import Transformer, with_farskip
 from farskip_jax.parallel import BATCH_AXES, ExpertParallel, param_shardings
+from farskip_jax.train import remat
 from farskip_jax.train.optim import lr_schedule, make_optimizer
 from farskip_jax.train.step import LossSpec, StepShardings, make_eval_step, make_train_step
 from farskip_jax.train.zero1 import batch_devices, step_shardings
@@ -180,9 +181,13 @@ class TrainProgram:
 
 
 def build_program(cfg: Config, mesh: Mesh) -> TrainProgram:
-    """Everything the train step is made of, for `cfg` on `mesh` (real or deviceless)."""
-    tc = cfg.train
+    """Everything the train step is made of, for `cfg` on `mesh` (real or deviceless).
+    `execution.remat: auto` builds the first policy it tries (`remat.candidates`); the trainer and
+    the inspector compile the others where that one does not fit (`train/remat.py`)."""
     parallel = parallel_for(mesh, cfg.mesh.expert_per_node)
+    if cfg.execution.remat == "auto":
+        cfg = remat.with_remat(cfg, remat.candidates("auto", parallel is not None)[0])
+    tc = cfg.train
     spec = LossSpec.from_train(tc, cached_teacher=uses_teacher_cache(tc))
     s_cfg, t_cfg = student_config(cfg), teacher_config(cfg)
     s_exe, t_exe = student_execution(cfg), teacher_execution(cfg)

@@ -28,11 +28,12 @@ from farskip_jax.checkpoint.manager import CheckpointManager
 from farskip_jax.config import Config, to_dict
 from farskip_jax.distributed import allgather_json
 from farskip_jax.errors import UserError
-from farskip_jax.train import batches, scheduled_step, setup
+from farskip_jax.train import batches, remat, scheduled_step, setup
 from farskip_jax.train.early_stop import EarlyStopper
 from farskip_jax.train.program import TrainProgram, build_program
 from farskip_jax.train.teacher_cache import TeacherCache
 from farskip_jax.train.zero1 import batch_devices
+from farskip_jax.xla import aot
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +153,10 @@ class Trainer:
                 raise UserError(f"train.eval_metric={tc.eval_metric} but {tc.gen_eval.path} holds "
                                 f"{self.gen_eval.metric} records ('answer': exact_match, 'tests': pass_at_1)")
         self.pgle_target = scheduled_step.profile_target(cfg)  # compiled with the first batch
+        # execution.remat (auto: chosen by memory) is settled with the first batch, the worst-case
+        # re-run's when a step first overflows (train/remat.py)
+        self.remat_choice: remat.Choice | None = None
+        self._worst_step: Any = None
         self.rng = jax.random.key_data(jax.random.key(tc.seed))
         self.step = 0
         self.loss_ema: float | None = None
@@ -332,6 +337,9 @@ class Trainer:
         self.host_times["batch_s"] += item.seconds
         self.host_times["steps"] += 1
         scale = jnp.float32(jnp.nan if index in nan_steps else 1.0)
+        if self.remat_choice is None:
+            self._choose_remat((self.state, self.models.teacher_params, item.batch, scale, after_void))
+            t_host = time.perf_counter()  # compiles are not per-step host work
         if self.pgle_target is not None:
             self.train_step = scheduled_step.scheduled_train_step(
                 self.train_step, (self.state, self.models.teacher_params, item.batch, scale, after_void),
@@ -344,6 +352,56 @@ class Trainer:
         if self.host_times["steps"] > 1:  # the first call compiles: not per-step host work
             self.host_times["loop_s"] += time.perf_counter() - t_host
         return _InFlight(item, scale, metrics)
+
+    def _compile_peak(self, policy: str, worst_case: bool, args: tuple) -> tuple[Any, int | None]:
+        """((program, compiled step), peak bytes per device) of the train step (or its worst-case
+        re-run) recomputing as `policy` says."""
+        prog = self.program if policy == self.program.student_exe.remat else build_program(
+            remat.with_remat(self.cfg, policy), self.mesh)
+        step = prog.worst_case_train_step if worst_case else prog.train_step
+        t0 = time.perf_counter()
+        compiled = step.lower(*args).compile()
+        memory = aot.memory_section(compiled.memory_analysis(), None) or {}
+        peak = memory.get("peak_bytes_per_device")
+        log.info("execution.remat: %s%s compiled in %.0f s, peak %s per device", policy,
+                 " (worst-case buffers)" if worst_case else "", time.perf_counter() - t0,
+                 "?" if peak is None else f"{peak / remat.GIB:.2f} GiB")
+        return (prog, compiled), peak
+
+    def _choose_remat(self, args: tuple) -> None:
+        """Settles execution.remat before the first step (`remat.choose`): under auto the program
+        becomes the one that fits, compiled once here."""
+        exe = self.cfg.execution
+        policies = remat.candidates(exe.remat, self.parallel is not None)
+        hbm, allocator_limit = remat.local_memory()
+        budget = remat.budget_bytes(exe, hbm, allocator_limit)
+        if len(policies) > 1 and budget is not None and budget == allocator_limit and hbm != allocator_limit:
+            log.info("execution.remat=auto: the budget is JAX's allocator limit, %.1f GiB of %.1f GiB HBM "
+                     "(XLA_PYTHON_CLIENT_MEM_FRACTION; scripts/train_*.sbatch set 0.95)",
+                     budget / remat.GIB, hbm / remat.GIB)
+        choice = remat.choose(policies, lambda p: self._compile_peak(p, False, args), budget)
+        if choice.compiled is not None:
+            self.program, compiled = choice.compiled
+            # the synthetic PGLE compile wants the jitted step (it compiles it twice itself)
+            self.train_step = compiled if self.pgle_target is None else self.program.train_step
+        self.remat_choice = choice
+        if exe.remat == "auto":
+            log.info("execution.remat=auto: %s", choice.describe())
+
+    def _worst_case_step(self, args: tuple) -> Any:
+        """The worst-case re-run of an overflowed step (compiled at the first overflow): the bounded
+        step's policy if it fits, else the first policy recomputing more that does (`remat`)."""
+        if self._worst_step is None:
+            exe, chosen = self.cfg.execution, self.program.student_exe.remat
+            policies = remat.candidates(exe.remat, self.parallel is not None, at_least=chosen)
+            choice = remat.choose(policies, lambda p: self._compile_peak(p, True, args),
+                                  remat.budget_bytes(exe, *remat.local_memory()))
+            self._worst_step = choice.compiled[1] if choice.compiled is not None \
+                else self.program.worst_case_train_step
+            if choice.policy != chosen:
+                log.warning("the worst-case re-run recomputes as execution.remat=%s: %s does not fit "
+                            "with worst-case buffers (%s)", choice.policy, chosen, choice.describe())
+        return self._worst_step
 
     def run(self, resume: bool = False) -> dict[str, Any]:
         from tqdm.auto import tqdm
@@ -398,9 +456,8 @@ class Trainer:
                     log.info("step %d: a routed-expert buffer overflowed (execution.moe_buffer_factor=%g); "
                              "re-running it with the worst-case buffers (%d re-runs so far)", self.step,
                              self.cfg.execution.moe_buffer_factor, self.counts["moe_overflow_reruns"])
-                    self.state, m = self.program.worst_case_train_step(self.state, teacher,
-                                                                       in_flight.item.batch,
-                                                                       in_flight.scale, zero)
+                    rerun = (self.state, teacher, in_flight.item.batch, in_flight.scale, zero)
+                    self.state, m = self._worst_case_step(rerun)(*rerun)
                     m = jax.device_get(m)
                     if nxt is not None:
                         self.state, nxt.metrics = self.train_step(self.state, teacher, nxt.item.batch,
@@ -464,6 +521,7 @@ class Trainer:
                 if self.ckpt.best_step() is not None else None),
             "checkpoints": self.ckpt.steps(), "tokens_per_s": real_tokens / max(elapsed, 1e-9),
             "loss_tokens": tokens_seen, "wall_s": elapsed, **self.counts, **self._host_gap(),
+            "remat": self.program.student_exe.remat,
         }
         self.ckpt.close()
         if jax.process_index() == 0:
