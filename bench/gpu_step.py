@@ -23,9 +23,11 @@ from farskip_jax.config import load_config, parse_overrides
 from farskip_jax.inspect import hlo
 from farskip_jax.inspect.steps import config_for
 from farskip_jax.model.transformer import Transformer
+from farskip_jax.train import remat
 from farskip_jax.train.optim import lr_schedule, make_optimizer
 from farskip_jax.train.program import BATCH_FIELDS
 from farskip_jax.train.step import LossSpec, make_train_step
+from farskip_jax.xla import aot
 
 
 def main() -> None:
@@ -51,12 +53,16 @@ def main() -> None:
         def model(mcfg=mcfg, exe=exe):
             return Transformer(mcfg, nnx.Rngs(0), exe)
 
-        graphdef, _ = nnx.split(nnx.eval_shape(model), nnx.Param)
         params = jax.jit(lambda model=model: nnx.split(model(), nnx.Param)[1])()
         tx = make_optimizer(tc, params)
         state = {"params": params, "opt_state": jax.jit(tx.init)(params), "step": jnp.zeros((), jnp.int32),
                  "skipped": jnp.zeros((), jnp.int32)}
-        step = make_train_step(LossSpec.from_train(tc, False), graphdef, None, tx, lr_schedule(tc))
+
+        def step_for(policy: str, mcfg=mcfg, exe=exe, tx=tx):
+            graphdef, _ = nnx.split(nnx.eval_shape(
+                lambda: Transformer(mcfg, nnx.Rngs(0), dataclasses.replace(exe, remat=policy))), nnx.Param)
+            return make_train_step(LossSpec.from_train(tc, False), graphdef, None, tx, lr_schedule(tc))
+
         key = jax.random.key(0)
         ids = jax.random.randint(key, (1, args.batch, args.seq_len), 0, mcfg.vocab_size, jnp.int32)
         batch = {k: ids for k in BATCH_FIELDS}
@@ -65,8 +71,17 @@ def main() -> None:
         batch["positions"] = jnp.broadcast_to(jnp.arange(args.seq_len, dtype=jnp.int32), ids.shape)
         one, zero = jnp.ones((), jnp.float32), jnp.zeros((), jnp.float32)
         t0 = time.perf_counter()
-        compiled = step.lower(state, None, batch, one, zero).compile()
+
+        def compile_peak(policy: str, step_for=step_for, step_args=(state, None, batch, one, zero)):
+            exe_ = step_for(policy).lower(*step_args).compile()
+            return exe_, (aot.memory_section(exe_.memory_analysis(), None) or {}).get("peak_bytes_per_device")
+
+        # execution.remat as train.py settles it (auto: the first policy that fits, train/remat.py)
+        choice = remat.choose(remat.candidates(exe.remat, expert_parallel=False), compile_peak,
+                              remat.budget_bytes(exe, *remat.local_memory()))
+        compiled = choice.compiled if choice.compiled is not None else compile_peak(choice.policy)[0]
         compile_s = time.perf_counter() - t0
+        print(f"{mode}: execution.remat={exe.remat}: {choice.describe()}")
         est = hlo.analyze(compiled.as_text(), args.target)
         state, m = compiled(state, None, batch, one, zero)
         jax.block_until_ready(m["loss"])
@@ -77,7 +92,7 @@ def main() -> None:
         dt = (time.perf_counter() - t0) / args.steps
         stats = jax.devices()[0].memory_stats() or {}
         tokens = args.batch * args.seq_len
-        row = {"mode": mode, "step_ms": 1e3 * dt, "tokens_per_s": tokens / dt,
+        row = {"mode": mode, "remat": choice.policy, "step_ms": 1e3 * dt, "tokens_per_s": tokens / dt,
                "estimated_step_ms": est.totals["est_step_us"] / 1e3,
                "estimated_compute_ms": est.totals["est_compute_us"] / 1e3,
                "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,

@@ -116,7 +116,9 @@ class Choice:
 
 
 def _gib(b: int | None) -> str:
-    return "?" if b is None else f"{b / GIB:.1f} GiB"
+    if b is None:
+        return "?"
+    return f"{b / GIB:.1f} GiB" if b >= GIB else f"{b / 2**20:.1f} MiB"
 
 
 def choose(policies: tuple[str, ...], compile_peak: Callable[[str], tuple[Any, int | None]],
