@@ -138,8 +138,8 @@ def choose(policies: tuple[str, ...], compile_peak: Callable[[str], tuple[Any, i
         if agree(choice.fits):
             return choice
     log.warning("execution.remat=auto: no policy fits: %s; running %s. Fewer tokens per device "
-                "(train.batch_size, data.seq_len) or a larger execution.remat_hbm_fraction.",
-                choice.describe(), policy)
+                "(data.batch_size, data.seq_len) or a larger budget (execution.remat_hbm_fraction, "
+                "execution.remat_budget_gib).", choice.describe(), policy)
     return choice
 
 
