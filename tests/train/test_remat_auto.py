@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 
 import pytest
 
@@ -71,8 +72,22 @@ def _losses(out) -> list[float]:
     return [r["loss"] for r in rows if r["kind"] == "train"]
 
 
+def test_trainer_runs_the_executable_it_checked(tiny_data, overrides, tmp_path):
+    """A budget `none` fits: one compile, whose executable the loop then runs (no second compile
+    of the jitted step), and the run trains."""
+    cfg = load_config("tiny_farskip", overrides(tiny_data, tmp_path / "fits", **{
+        "train.total_steps": 2, "train.eval_every": 100, "train.checkpoint_every": 100,
+        "execution.remat": "auto", "execution.remat_budget_gib": 1.0}))
+    tr = trainer_mod.Trainer(cfg)
+    summary = tr.run()
+    assert list(tr.remat_choice.peaks) == ["none"] and summary["remat"] == "none"
+    assert tr.train_step is tr.remat_choice.compiled[1]
+    assert tr.program.train_step._cache_size() == 0  # the jitted step itself never compiled
+    assert summary["steps"] == 2 and all(math.isfinite(x) for x in _losses(tmp_path / "fits"))
+
+
 # slow (CI time budget, ~60 s: five compiles of the tiny step); the default suite keeps the choice
-# itself (test_choose_compiles_until_one_fits) and CPU runs, where auto is none without a compile.
+# itself (test_choose_compiles_until_one_fits) and the trainer's use of the checked executable.
 @pytest.mark.slow
 def test_trainer_runs_the_policy_that_fits(tiny_data, overrides, tmp_path, caplog):
     """One device, 2 steps. A budget no policy meets: every candidate is compiled, the one holding
