@@ -27,7 +27,6 @@ from farskip_jax.train import remat
 from farskip_jax.train.optim import lr_schedule, make_optimizer
 from farskip_jax.train.program import BATCH_FIELDS
 from farskip_jax.train.step import LossSpec, make_train_step
-from farskip_jax.xla import aot
 
 
 def main() -> None:
@@ -74,11 +73,11 @@ def main() -> None:
 
         def compile_peak(policy: str, step_for=step_for, step_args=(state, None, batch, one, zero)):
             exe_ = step_for(policy).lower(*step_args).compile()
-            return exe_, (aot.memory_section(exe_.memory_analysis(), None) or {}).get("peak_bytes_per_device")
+            return exe_, remat.compiled_peak(exe_)
 
         # execution.remat as train.py settles it (auto: the first policy that fits, train/remat.py)
         choice = remat.choose(remat.candidates(exe.remat, expert_parallel=False), compile_peak,
-                              remat.budget_bytes(exe, *remat.local_memory()))
+                              remat.device_budget(exe))
         compiled = choice.compiled if choice.compiled is not None else compile_peak(choice.policy)[0]
         compile_s = time.perf_counter() - t0
         print(f"{mode}: execution.remat={exe.remat}: {choice.describe()}")

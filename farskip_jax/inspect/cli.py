@@ -149,7 +149,8 @@ def _compile_mode(built: Any, mode: str, args: argparse.Namespace, out: Path) ->
         return (art, extra), (art.memory or {}).get("peak_bytes_per_device")
 
     hbm = targets.device_memory_size(args.target) if args.target in targets.SPEC_FILES else None
-    choice = remat.choose(built.policies, compile_peak, built.budget(hbm), agree=lambda fits: fits)
+    choice = remat.choose(built.policies, compile_peak, remat.budget_bytes(built.exe, hbm),
+                          agree=lambda fits: fits)
     if choice.compiled is None:  # no budget known: the first policy, as the trainer runs it
         return compile_one(*built.build(choice.policy), f" (execution.remat={choice.policy})")
     art, extra = choice.compiled

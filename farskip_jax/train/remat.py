@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -85,6 +86,24 @@ def local_memory() -> tuple[int | None, int | None]:
     return (hbm or limit), limit
 
 
+def device_budget(exe: Any) -> int | None:
+    """`budget_bytes` for this process's device (`local_memory`)."""
+    hbm, allocator_limit = local_memory()
+    budget = budget_bytes(exe, hbm, allocator_limit)
+    if budget is not None and budget == allocator_limit and hbm != allocator_limit:
+        log.info("execution.remat: the budget is JAX's allocator limit, %.1f GiB of %.1f GiB HBM "
+                 "(XLA_PYTHON_CLIENT_MEM_FRACTION; scripts/train_*.sbatch set 0.95)", budget / GIB, hbm / GIB)
+    return budget
+
+
+def compiled_peak(compiled: Any) -> int | None:
+    """Peak bytes per device of a compiled step (`xla.aot.memory_section`), None where the backend
+    gives no memory analysis."""
+    from farskip_jax.xla import aot  # not at import time: the trainer needs it only for a choice
+
+    return (aot.memory_section(compiled.memory_analysis(), None) or {}).get("peak_bytes_per_device")
+
+
 def _all_processes(fits: bool) -> bool:
     """Every process decides alike (each compiled the same SPMD program; a host whose allocator
     limit is lower must not run another program than the rest)."""
@@ -143,6 +162,30 @@ def choose(policies: tuple[str, ...], compile_peak: Callable[[str], tuple[Any, i
     return choice
 
 
+def settle(cfg: Config, program: Any, args: tuple, worst_case: bool = False) -> tuple[Any, Choice]:
+    """The trainer's step for `cfg` on `program`'s mesh with execution.remat settled, compiled for
+    `args` where a choice was made: (program, compiled step or None, i.e. the jitted one as usual)
+    and the `Choice`. `worst_case`: the overflow re-run's, among the policies recomputing at least
+    as much as `program`'s (the bounded step's)."""
+    from farskip_jax.train.program import build_program  # program.py imports this module
+
+    exe, current = cfg.execution, program.student_exe.remat
+    policies = candidates(exe.remat, program.parallel is not None, at_least=current if worst_case else None)
+
+    def compile_peak(policy: str) -> tuple[Any, int | None]:
+        prog = program if policy == current else build_program(with_remat(cfg, policy), program.mesh)
+        step = prog.worst_case_train_step if worst_case else prog.train_step
+        t0 = time.perf_counter()
+        compiled = step.lower(*args).compile()
+        peak = compiled_peak(compiled)
+        log.info("execution.remat: %s%s compiled in %.0f s, peak %s per device", policy,
+                 " (worst-case buffers)" if worst_case else "", time.perf_counter() - t0, _gib(peak))
+        return (prog, compiled), peak
+
+    choice = choose(policies, compile_peak, device_budget(exe) if len(policies) > 1 else None)
+    return choice.compiled or (program, None), choice
+
+
 @dataclasses.dataclass
 class Search:
     """A train step to compile under each of `policies` in turn until one fits: what the
@@ -152,6 +195,3 @@ class Search:
     policies: tuple[str, ...]
     build: Callable[[str], tuple[Any, Any]]  # policy -> (jitted step, abstract arguments)
     exe: Any  # the ExecutionConfig, for its budget
-
-    def budget(self, hbm_bytes: int | None) -> int | None:
-        return budget_bytes(self.exe, hbm_bytes)

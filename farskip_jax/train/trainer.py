@@ -33,7 +33,6 @@ from farskip_jax.train.early_stop import EarlyStopper
 from farskip_jax.train.program import TrainProgram, build_program
 from farskip_jax.train.teacher_cache import TeacherCache
 from farskip_jax.train.zero1 import batch_devices
-from farskip_jax.xla import aot
 
 log = logging.getLogger(__name__)
 
@@ -353,54 +352,26 @@ class Trainer:
             self.host_times["loop_s"] += time.perf_counter() - t_host
         return _InFlight(item, scale, metrics)
 
-    def _compile_peak(self, policy: str, worst_case: bool, args: tuple) -> tuple[Any, int | None]:
-        """((program, compiled step), peak bytes per device) of the train step (or its worst-case
-        re-run) recomputing as `policy` says."""
-        prog = self.program if policy == self.program.student_exe.remat else build_program(
-            remat.with_remat(self.cfg, policy), self.mesh)
-        step = prog.worst_case_train_step if worst_case else prog.train_step
-        t0 = time.perf_counter()
-        compiled = step.lower(*args).compile()
-        memory = aot.memory_section(compiled.memory_analysis(), None) or {}
-        peak = memory.get("peak_bytes_per_device")
-        log.info("execution.remat: %s%s compiled in %.0f s, peak %s per device", policy,
-                 " (worst-case buffers)" if worst_case else "", time.perf_counter() - t0,
-                 "?" if peak is None else f"{peak / remat.GIB:.2f} GiB")
-        return (prog, compiled), peak
-
     def _choose_remat(self, args: tuple) -> None:
-        """Settles execution.remat before the first step (`remat.choose`): under auto the program
-        becomes the one that fits, compiled once here."""
-        exe = self.cfg.execution
-        policies = remat.candidates(exe.remat, self.parallel is not None)
-        hbm, allocator_limit = remat.local_memory()
-        budget = remat.budget_bytes(exe, hbm, allocator_limit)
-        if len(policies) > 1 and budget is not None and budget == allocator_limit and hbm != allocator_limit:
-            log.info("execution.remat=auto: the budget is JAX's allocator limit, %.1f GiB of %.1f GiB HBM "
-                     "(XLA_PYTHON_CLIENT_MEM_FRACTION; scripts/train_*.sbatch set 0.95)",
-                     budget / remat.GIB, hbm / remat.GIB)
-        choice = remat.choose(policies, lambda p: self._compile_peak(p, False, args), budget)
-        if choice.compiled is not None:
-            self.program, compiled = choice.compiled
+        """Settles execution.remat before the first step (`remat.settle`): under auto the program
+        becomes the one that fits, compiled once there."""
+        (self.program, compiled), self.remat_choice = remat.settle(self.cfg, self.program, args)
+        if compiled is not None:
             # the synthetic PGLE compile wants the jitted step (it compiles it twice itself)
             self.train_step = compiled if self.pgle_target is None else self.program.train_step
-        self.remat_choice = choice
-        if exe.remat == "auto":
-            log.info("execution.remat=auto: %s", choice.describe())
+        if self.cfg.execution.remat == "auto":
+            log.info("execution.remat=auto: %s", self.remat_choice.describe())
 
     def _worst_case_step(self, args: tuple) -> Any:
         """The worst-case re-run of an overflowed step (compiled at the first overflow): the bounded
         step's policy if it fits, else the first policy recomputing more that does (`remat`)."""
         if self._worst_step is None:
-            exe, chosen = self.cfg.execution, self.program.student_exe.remat
-            policies = remat.candidates(exe.remat, self.parallel is not None, at_least=chosen)
-            choice = remat.choose(policies, lambda p: self._compile_peak(p, True, args),
-                                  remat.budget_bytes(exe, *remat.local_memory()))
-            self._worst_step = choice.compiled[1] if choice.compiled is not None \
-                else self.program.worst_case_train_step
-            if choice.policy != chosen:
+            (prog, compiled), choice = remat.settle(self.cfg, self.program, args, worst_case=True)
+            self._worst_step = compiled if compiled is not None else prog.worst_case_train_step
+            if choice.policy != self.program.student_exe.remat:
                 log.warning("the worst-case re-run recomputes as execution.remat=%s: %s does not fit "
-                            "with worst-case buffers (%s)", choice.policy, chosen, choice.describe())
+                            "with worst-case buffers (%s)", choice.policy, self.program.student_exe.remat,
+                            choice.describe())
         return self._worst_step
 
     def run(self, resume: bool = False) -> dict[str, Any]:
