@@ -18,14 +18,22 @@ The overflow re-run's worst-case program (`execution.moe_buffer_factor`) holds m
 step, so it is chosen the same way among the policies that recompute at least as much as the
 bounded step's: a named policy is kept for the bounded step as asked, and the re-run, compiled when
 a step first overflows, recomputes more only where that policy would not fit.
+
+A run remembers its choices in `<train.output_dir>/remat_auto.json`, keyed by everything the
+compiled peaks depend on (`memo_key`): a restart of the same run starts its search at the policy
+chosen before, so the policies rejected then are not compiled again. The remembered policy is still
+compiled and checked against the budget.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -39,6 +47,14 @@ log = logging.getLogger(__name__)
 # Most kept first: each later policy recomputes more and holds less.
 REMAT_BY_MEMORY = ("none", "save_a2a", "save_dots", "full")
 GIB = 2**30
+MEMO_NAME = "remat_auto.json"
+# train.* keys that set the schedule and the run's bookkeeping, not what the step holds in memory;
+# every other config value is part of `memo_key` (a key that changes costs a search, never a fit)
+_NOT_IN_MEMO_KEY = frozenset({
+    "learning_rate", "min_lr_ratio", "warmup_steps", "total_steps", "weight_decay", "grad_clip_norm",
+    "seed", "log_every", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_batches",
+    "patience", "drop_threshold", "eval_metric", "gen_eval", "max_nonfinite_in_row", "spike_factor",
+    "output_dir", "init_checkpoint"})
 
 
 def with_remat(cfg: Config, policy: str) -> Config:
@@ -162,15 +178,81 @@ def choose(policies: tuple[str, ...], compile_peak: Callable[[str], tuple[Any, i
     return choice
 
 
-def settle(cfg: Config, program: Any, args: tuple, worst_case: bool = False) -> tuple[Any, Choice]:
+def memo_key(cfg: Config, args: tuple, budget: int) -> str:
+    """What a compiled peak depends on: the config (but `_NOT_IN_MEMO_KEY`), the step's argument
+    shapes, dtypes and shardings, the devices, jax's version and the budget; a hex digest."""
+    from farskip_jax.config import to_dict
+
+    conf = to_dict(cfg)
+    conf["train"] = {k: v for k, v in conf["train"].items() if k not in _NOT_IN_MEMO_KEY}
+    conf.pop("demo", None)
+    arrays = [(tuple(a.shape), str(a.dtype), str(getattr(a, "sharding", ""))) for a in jax.tree.leaves(args)]
+    devices = (jax.device_count(), jax.process_count(), jax.devices()[0].device_kind)
+    blob = json.dumps([conf, arrays, devices, jax.__version__, budget], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def remembered(memo: Path, slot: str, key: str) -> dict | None:
+    """The record `remember` left in `memo` for `slot` under `key`, else None (no file, another
+    key, or a file that does not parse: then the search starts over)."""
+    try:
+        record = json.loads(memo.read_text()).get(slot)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, AttributeError) as e:
+        log.warning("execution.remat=auto: ignoring %s (%s); searching from the start", memo, e)
+        return None
+    return record if isinstance(record, dict) and record.get("key") == key else None
+
+
+def remember(memo: Path, slot: str, key: str, choice: Choice, rejected: dict[str, int | None]) -> None:
+    """Records `choice` for `slot` ('bounded' or 'worst_case') in `memo` (process 0 writes)."""
+    if jax.process_index() != 0:
+        return
+    try:
+        records = json.loads(memo.read_text()) if memo.exists() else {}
+    except (OSError, ValueError):
+        records = {}
+    records[slot] = {"key": key, "policy": choice.policy, "budget": choice.budget,
+                     "peaks": {**rejected, **choice.peaks}}
+    tmp = memo.with_suffix(".tmp")
+    tmp.write_text(json.dumps(records, indent=1))
+    tmp.replace(memo)
+
+
+def _resume_from(policies: tuple[str, ...], record: dict | None) -> int:
+    """Where the search starts: the remembered policy's place among `policies` (0 without one),
+    the earliest any process would start at, so that every process compiles the same programs."""
+    start = policies.index(record["policy"]) if record and record.get("policy") in policies else 0
+    if jax.process_count() == 1:
+        return start
+    from jax.experimental import multihost_utils
+
+    return int(np.min(multihost_utils.process_allgather(np.asarray(start))))
+
+
+def settle(cfg: Config, program: Any, args: tuple, worst_case: bool = False,
+           memo: Path | None = None) -> tuple[Any, Choice]:
     """The trainer's step for `cfg` on `program`'s mesh with execution.remat settled, compiled for
     `args` where a choice was made: (program, compiled step or None, i.e. the jitted one as usual)
     and the `Choice`. `worst_case`: the overflow re-run's, among the policies recomputing at least
-    as much as `program`'s (the bounded step's)."""
+    as much as `program`'s (the bounded step's). `memo`: the run's remat_auto.json, read to skip
+    the policies this run rejected before and written with the choice."""
     from farskip_jax.train.program import build_program  # program.py imports this module
 
     exe, current = cfg.execution, program.student_exe.remat
     policies = candidates(exe.remat, program.parallel is not None, at_least=current if worst_case else None)
+    budget = device_budget(exe) if len(policies) > 1 else None
+    slot, key, rejected = "worst_case" if worst_case else "bounded", None, {}
+    if memo is not None and budget is not None:
+        key = memo_key(cfg, args, budget)
+        record = remembered(memo, slot, key)
+        start = _resume_from(policies, record)
+        if start:
+            rejected = {p: (record or {}).get("peaks", {}).get(p) for p in policies[:start]}
+            log.info("execution.remat=auto: starting at %s, as this run chose before (%s rejected: %s)",
+                     policies[start], memo, ", ".join(f"{p} {_gib(b)}" for p, b in rejected.items()))
+            policies = policies[start:]
 
     def compile_peak(policy: str) -> tuple[Any, int | None]:
         prog = program if policy == current else build_program(with_remat(cfg, policy), program.mesh)
@@ -182,7 +264,9 @@ def settle(cfg: Config, program: Any, args: tuple, worst_case: bool = False) -> 
                  " (worst-case buffers)" if worst_case else "", time.perf_counter() - t0, _gib(peak))
         return (prog, compiled), peak
 
-    choice = choose(policies, compile_peak, device_budget(exe) if len(policies) > 1 else None)
+    choice = choose(policies, compile_peak, budget)
+    if key is not None:
+        remember(memo, slot, key, choice, rejected)
     return choice.compiled or (program, None), choice
 
 

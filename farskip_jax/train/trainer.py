@@ -355,7 +355,8 @@ class Trainer:
     def _choose_remat(self, args: tuple) -> None:
         """Settles execution.remat before the first step (`remat.settle`): under auto the program
         becomes the one that fits, compiled once there."""
-        (self.program, compiled), self.remat_choice = remat.settle(self.cfg, self.program, args)
+        (self.program, compiled), self.remat_choice = remat.settle(self.cfg, self.program, args,
+                                                                   memo=self.out / remat.MEMO_NAME)
         if compiled is not None:
             # the synthetic PGLE compile wants the jitted step (it compiles it twice itself)
             self.train_step = compiled if self.pgle_target is None else self.program.train_step
@@ -366,7 +367,8 @@ class Trainer:
         """The worst-case re-run of an overflowed step (compiled at the first overflow): the bounded
         step's policy if it fits, else the first policy recomputing more that does (`remat`)."""
         if self._worst_step is None:
-            (prog, compiled), choice = remat.settle(self.cfg, self.program, args, worst_case=True)
+            (prog, compiled), choice = remat.settle(self.cfg, self.program, args, worst_case=True,
+                                                    memo=self.out / remat.MEMO_NAME)
             self._worst_step = compiled if compiled is not None else prog.worst_case_train_step
             if choice.policy != self.program.student_exe.remat:
                 log.warning("the worst-case re-run recomputes as execution.remat=%s: %s does not fit "

@@ -67,6 +67,38 @@ def test_choose_compiles_until_one_fits(caplog):
     assert choice.policy == "full" and compiled == list(policies)
 
 
+def test_memo_key_and_record(tmp_path, caplog):
+    """A run's remembered choice: the key moves with what the compiled peaks depend on (config,
+    argument shapes, budget), not with the schedule; a record is found only under its own key."""
+    import jax.numpy as jnp
+
+    cfg = load_config("tiny_farskip")
+    args = ({"w": jnp.zeros((4, 8), jnp.float32)}, jnp.zeros((2, 16), jnp.int32))
+    key = remat.memo_key(cfg, args, 10 * GIB)
+    assert key == remat.memo_key(load_config("tiny_farskip"), args, 10 * GIB)
+    schedule = {"train.total_steps": 7, "train.learning_rate": 0.5}
+    assert key == remat.memo_key(load_config("tiny_farskip", schedule), args, 10 * GIB)
+    assert key != remat.memo_key(cfg, args, 9 * GIB)
+    assert key != remat.memo_key(cfg, (args[0], jnp.zeros((4, 16), jnp.int32)), 10 * GIB)
+    assert key != remat.memo_key(load_config("tiny_farskip", {"execution.batch_split": 2}), args, 10 * GIB)
+    assert key != remat.memo_key(load_config("tiny_farskip", {"train.grad_accum_steps": 2}), args, 10 * GIB)
+
+    memo = tmp_path / remat.MEMO_NAME
+    assert remat.remembered(memo, "bounded", key) is None  # no file yet
+    choice = remat.Choice("save_dots", None, 10 * GIB, {"save_dots": 5 * GIB})
+    remat.remember(memo, "bounded", key, choice, rejected={"none": 12 * GIB})
+    record = remat.remembered(memo, "bounded", key)
+    assert record["policy"] == "save_dots" and record["peaks"] == {"none": 12 * GIB, "save_dots": 5 * GIB}
+    assert remat.remembered(memo, "worst_case", key) is None
+    assert remat.remembered(memo, "bounded", "another key") is None
+    assert remat._resume_from(remat.candidates("auto", True), record) == 2
+    assert remat._resume_from(remat.candidates("auto", True, at_least="full"), record) == 0
+    memo.write_text("{not json")
+    with caplog.at_level(logging.WARNING):
+        assert remat.remembered(memo, "bounded", key) is None
+    assert "searching from the start" in caplog.text
+
+
 def _losses(out) -> list[float]:
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in rows if r["kind"] == "train"]
@@ -93,14 +125,15 @@ def test_trainer_runs_the_policy_that_fits(tiny_data, overrides, tmp_path, caplo
     """One device, 2 steps. A budget no policy meets: every candidate is compiled, the one holding
     least (full) runs, with a warning. Then a budget of exactly save_dots's peak: none is rejected
     and save_dots runs, the very program an explicit `execution.remat=save_dots` run trains with
-    (the same losses, bitwise)."""
+    (the same losses, bitwise). Resumed for 2 more steps, that run starts at save_dots (none is not
+    compiled again)."""
     base = {"train.total_steps": 2, "train.eval_every": 100, "train.checkpoint_every": 100,
             "train.warmup_steps": 0}
 
-    def run(name, **extra):
+    def run(name, resume=False, **extra):
         cfg = load_config("tiny_farskip", overrides(tiny_data, tmp_path / name, **{**base, **extra}))
         tr = trainer_mod.Trainer(cfg)
-        summary = tr.run()
+        summary = tr.run(resume=resume)
         return tr, summary
 
     with caplog.at_level(logging.WARNING):
@@ -115,6 +148,13 @@ def test_trainer_runs_the_policy_that_fits(tiny_data, overrides, tmp_path, caplo
     assert fit.program.student_exe.remat == "save_dots"
     _, summary = run("pinned", **{"execution.remat": "save_dots"})
     assert _losses(tmp_path / "fit") == _losses(tmp_path / "pinned")
+    memo = json.loads((tmp_path / "fit" / remat.MEMO_NAME).read_text())
+    assert memo["bounded"]["policy"] == "save_dots"
+    assert list(memo["bounded"]["peaks"]) == ["none", "save_dots"]
+    resumed, summary = run("fit", resume=True, **{"execution.remat": "auto", "train.total_steps": 4,
+                                                  "train.checkpoint_every": 2,
+                                                  "execution.remat_budget_gib": peaks["save_dots"] / GIB})
+    assert list(resumed.remat_choice.peaks) == ["save_dots"] and summary["remat"] == "save_dots"
 
 
 @pytest.mark.slow
