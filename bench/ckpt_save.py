@@ -259,7 +259,7 @@ def main() -> None:
     ap.add_argument("--dense-intermediate", type=int, default=1408,
                     help="model.intermediate_size of the dense first layer (DSV2-Lite: 10944)")
     ap.add_argument("--batch", type=int, default=2,
-                    help="sequences per step (a multiple of the config's execution.batch_split, 2)")
+                    help="sequences per step (a multiple of the config's execution.batch_split)")
     ap.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
     ap.add_argument("--saves", type=int, default=3, help="saves per bound, steps running during each")
     ap.add_argument("--base-steps", type=int, default=5, help="steps without a save (the RSS baseline)")

@@ -50,7 +50,9 @@ def test_moved_keys_are_the_execution_fields():
     ({"execution.tp_microbatches": 2, "execution.layer_loop": "scan"},
      r"execution\.tp_microbatches > 1 needs execution\.layer_loop=unrolled"),
     ({"execution.batch_split": 2, "execution.layer_loop": "scan"},
-     r"execution\.batch_split > 1 needs execution\.layer_loop=unrolled"),
+     r"execution\.batch_split=2 needs execution\.layer_loop=unrolled"),
+    ({"execution.batch_split": "auto", "execution.layer_loop": "scan"},
+     r"execution\.batch_split=auto needs execution\.layer_loop=unrolled"),
     ({"execution.remat": "everything"}, r"execution\.remat='everything' is not allowed.*save_a2a"),
     ({"execution.remat_hbm_fraction": 0}, r"execution\.remat_hbm_fraction must be in \(0, 1\], got 0"),
     ({"execution.remat_hbm_fraction": 1.5}, r"execution\.remat_hbm_fraction must be in \(0, 1\]"),
@@ -70,8 +72,19 @@ def test_execution_overrides_reach_the_section():
     assert cfg.model == load_config("tiny").model  # how to run changes nothing in the model
     # configs/dsv2lite.yaml's `execution:` section, inherited by its FarSkip variant
     fs = load_config("dsv2lite_farskip")
-    assert (fs.execution.remat, fs.execution.batch_split) == ("auto", 2)
+    assert (fs.execution.remat, fs.execution.batch_split) == ("auto", "auto")
     assert fs.execution == load_config("dsv2lite").execution
+
+
+def test_batch_split_auto_by_device():
+    """auto: two chunks on CUDA (XLA's own scheduler needs the split to keep FarSkip's backward
+    exchanges hidden), one stream on ROCm (the profile-guided schedule hides them without it) and on
+    CPU; a number is taken as it is. The deviceless overlap tests check the compiled programs: 16
+    ragged exchanges on H200 (tests/inspect/test_model_overlap.py), 8 on MI300X (test_rocm.py)."""
+    auto = load_config("dsv2lite_farskip").execution
+    assert [auto.split_chunks(f) for f in ("cuda", "rocm", "cpu")] == [2, 1, 1]
+    three = load_config("dsv2lite_farskip", {"execution.batch_split": 3}).execution
+    assert [three.split_chunks(f) for f in ("cuda", "rocm", "cpu")] == [3, 3, 3]
 
 
 @pytest.mark.parametrize("key", MOVED)

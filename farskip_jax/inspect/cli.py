@@ -395,6 +395,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"inspect: {cfg.name} {args.mode} on {args.target}, mesh {mesh}, modes {args.modes}, {shape}, "
           f"grouped GEMMs priced at {args.grouped_fill:.4g} of their rows "
           f"(--moe-load {args.moe_load})")
+    if ep and cfg.execution.batch_split == "auto":
+        from farskip_jax.platforms import device_family
+
+        family = {"h200": "cuda", "mi300x": "rocm"}.get(args.target)
+        if family is None:  # --target local: this machine's devices
+            import jax
+
+            family = device_family(jax.devices()[0])
+        print(f"inspect: execution.batch_split=auto: {cfg.execution.split_chunks(family)} on {args.target} "
+              "(modes named _bsN set their own)")
     t0 = time.perf_counter()
     reports = run_inspect(args, build, _useful_flops(cfg, args, ep))
     print(f"inspect: done in {time.perf_counter() - t0:.1f}s -> {args.out}")

@@ -38,6 +38,7 @@ from farskip_jax.model.farskip import (
 from farskip_jax.model.gqa_attention import GQAttention, KVCache
 from farskip_jax.model.layers import DTYPES, MLP, RMSNorm, normal_init
 from farskip_jax.model.moe import MoE, RoutedFn, local_routed
+from farskip_jax.platforms import device_family, target_device
 
 
 class Parallelism(Protocol):
@@ -207,8 +208,8 @@ class Transformer(nnx.Module):
             join = _concat
         # Batch chunks (single device, expert parallelism): whole sequences, positions and segments
         # with them; each device's sequences are split, so a chunk stays on its devices.
-        elif reduce is None and exe.batch_split > 1:
-            chunks = exe.batch_split
+        elif reduce is None and (split := exe.split_chunks(device_family(target_device()))) > 1:
+            chunks = split
             shards = getattr(parallel, "batch_shards", 1)
             if b % (shards * chunks):
                 raise ValueError(f"execution.batch_split={chunks} does not divide the {b // shards} "

@@ -28,6 +28,7 @@ from farskip_jax.checkpoint.manager import CheckpointManager
 from farskip_jax.config import Config, to_dict
 from farskip_jax.distributed import allgather_json
 from farskip_jax.errors import UserError
+from farskip_jax.platforms import device_family
 from farskip_jax.train import batches, remat, scheduled_step, setup
 from farskip_jax.train.early_stop import EarlyStopper
 from farskip_jax.train.program import TrainProgram, build_program
@@ -495,6 +496,7 @@ class Trainer:
             "checkpoints": self.ckpt.steps(), "tokens_per_s": real_tokens / max(elapsed, 1e-9),
             "loss_tokens": tokens_seen, "wall_s": elapsed, **self.counts, **self._host_gap(),
             "remat": self.program.student_exe.remat,
+            "batch_split": self.program.student_exe.split_chunks(device_family(jax.devices()[0])),
         }
         self.ckpt.close()
         if jax.process_index() == 0:

@@ -130,7 +130,7 @@ def test_batch_not_divisible(data):
 
 @pytest.mark.parametrize("overrides, message", [
     ({"batch_split": 0}, "execution.batch_split must be > 0"),
-    ({"batch_split": 2, "layer_loop": "scan"}, "batch_split > 1 needs execution.layer_loop=unrolled"),
+    ({"batch_split": 2, "layer_loop": "scan"}, "batch_split=2 needs execution.layer_loop=unrolled"),
 ])
 def test_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
