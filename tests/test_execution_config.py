@@ -77,14 +77,17 @@ def test_execution_overrides_reach_the_section():
 
 
 def test_batch_split_auto_by_device():
-    """auto: two chunks on CUDA (XLA's own scheduler needs the split to keep FarSkip's backward
-    exchanges hidden), one stream on ROCm (the profile-guided schedule hides them without it) and on
-    CPU; a number is taken as it is. The deviceless overlap tests check the compiled programs: 16
-    ragged exchanges on H200 (tests/inspect/test_model_overlap.py), 8 on MI300X (test_rocm.py)."""
+    """auto: two chunks on CUDA without a data axis (XLA's own scheduler needs the split to keep
+    FarSkip's backward exchanges hidden), one stream with a data axis (the split would double the
+    expert gradients' all-reduces over it), on ROCm (the profile-guided schedule hides the exchanges
+    without it) and on CPU; a number is taken as it is. The deviceless overlap tests check the
+    compiled programs: 16 ragged exchanges on H200 (tests/inspect/test_model_overlap.py), 8 on
+    MI300X (test_rocm.py)."""
     auto = load_config("dsv2lite_farskip").execution
     assert [auto.split_chunks(f) for f in ("cuda", "rocm", "cpu")] == [2, 1, 1]
+    assert [auto.split_chunks(f, data_shards=8) for f in ("cuda", "rocm", "cpu")] == [1, 1, 1]
     three = load_config("dsv2lite_farskip", {"execution.batch_split": 3}).execution
-    assert [three.split_chunks(f) for f in ("cuda", "rocm", "cpu")] == [3, 3, 3]
+    assert [three.split_chunks(f, d) for f in ("cuda", "rocm", "cpu") for d in (1, 8)] == [3] * 6
 
 
 @pytest.mark.parametrize("key", MOVED)

@@ -403,7 +403,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             import jax
 
             family = device_family(jax.devices()[0])
-        print(f"inspect: execution.batch_split=auto: {cfg.execution.split_chunks(family)} on {args.target} "
+        split = cfg.execution.split_chunks(family, mesh["data"])
+        print(f"inspect: execution.batch_split=auto: {split} on {args.target} with data={mesh['data']} "
               "(modes named _bsN set their own)")
     t0 = time.perf_counter()
     reports = run_inspect(args, build, _useful_flops(cfg, args, ep))

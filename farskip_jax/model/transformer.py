@@ -208,7 +208,8 @@ class Transformer(nnx.Module):
             join = _concat
         # Batch chunks (single device, expert parallelism): whole sequences, positions and segments
         # with them; each device's sequences are split, so a chunk stays on its devices.
-        elif reduce is None and (split := exe.split_chunks(device_family(target_device()))) > 1:
+        elif reduce is None and (split := exe.split_chunks(device_family(target_device()),
+                                                           _data_shards(parallel))) > 1:
             chunks = split
             shards = getattr(parallel, "batch_shards", 1)
             if b % (shards * chunks):
@@ -319,6 +320,12 @@ def run_streams(streams: list[Generator[Any, Any, ModelOutput]], join: bool = Tr
 def _concat(chunks: list[jax.Array]) -> jax.Array:
     """Token chunks (axis 1) back into one array."""
     return jnp.concatenate(chunks, axis=1)
+
+
+def _data_shards(parallel: Any) -> int:
+    """Devices of the mesh's `data` axis under `parallel` (1 without one: a single device)."""
+    mesh = getattr(parallel, "mesh", None)
+    return int(mesh.shape.get("data", 1)) if mesh is not None else 1
 
 
 def _split_batch(v: jax.Array, chunks: int, shards: int) -> list[jax.Array]:

@@ -496,7 +496,8 @@ class Trainer:
             "checkpoints": self.ckpt.steps(), "tokens_per_s": real_tokens / max(elapsed, 1e-9),
             "loss_tokens": tokens_seen, "wall_s": elapsed, **self.counts, **self._host_gap(),
             "remat": self.program.student_exe.remat,
-            "batch_split": self.program.student_exe.split_chunks(device_family(jax.devices()[0])),
+            "batch_split": self.program.student_exe.split_chunks(device_family(jax.devices()[0]),
+                                                                 self.mesh.shape["data"]),
         }
         self.ckpt.close()
         if jax.process_index() == 0:
