@@ -9,6 +9,9 @@ so that every conversion has measurements on both sides:
   disk    the disk's sequential write: the very files the converter wrote (the same number, the same
           sizes: HF -> Orbax's OCDBT data files and metadata, Orbax -> HF's shards and JSON), written
           one after another, each `write` + fdatasync, as the converter syncs each of its files;
+  device  the same files, one after another, through O_DIRECT (past the page cache): what the
+          device takes. On a VM whose page cache is slow to grow (BENCHMARKS.md 5) the two differ
+          by an order of magnitude;
   plain   the same files written by as many threads as the converter writes with (Orbax -> HF:
           `--workers` writer threads; HF -> Orbax: one, as Orbax saves one group at a time), each
           fdatasync'd: what plain writes of the very same bytes reach, written the same way.
@@ -30,7 +33,9 @@ Not a test:  python bench/convert_rss.py [--layers 3] [--rounds 2] [--workers 2]
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import mmap
 import os
 import re
 import resource
@@ -115,26 +120,33 @@ def write_synthetic(d: Path, layers: int) -> tuple[ModelConfig, int]:
 
 class PlainWriter:
     """Writes files of given sizes from a random buffer (no page of zeros, nothing a virtual disk
-    could deduplicate within a file), each `write` + fdatasync, by `threads` threads."""
+    could deduplicate within a file), each `write` + fdatasync, by `threads` threads; `direct`:
+    through O_DIRECT, past the page cache, each size rounded up to a 4 KiB block (what the device
+    takes, whatever the guest's memory is doing)."""
 
     def __init__(self, d: Path):
         self.dir = d
-        self.buf = np.random.default_rng(1).integers(0, 256, 256 * MiB, dtype=np.uint8)
+        # page-aligned (O_DIRECT needs aligned buffers), touched once here
+        self.buf = np.frombuffer(mmap.mmap(-1, 256 * MiB), np.uint8)
+        self.buf[:] = np.random.default_rng(1).integers(0, 256, self.buf.size, dtype=np.uint8)
 
-    def _one(self, i: int, size: int) -> None:
-        with open(self.dir / f"plain_{i}.bin", "wb", buffering=0) as fh:
-            left, off = size, (i * 7919 * 4096) % (128 * MiB)
+    def _one(self, i: int, size: int, direct: bool = False) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+        fd = os.open(self.dir / f"plain_{i}.bin", flags, 0o644)
+        try:
+            left, off = -(-size // 4096) * 4096 if direct else size, (i * 7919 * 4096) % (128 * MiB)
             while left:
                 n = min(left, self.buf.size - off)
-                fh.write(self.buf[off:off + n].data)
-                left, off = left - n, 0
-            os.fdatasync(fh.fileno())
+                left, off = left - os.write(fd, self.buf[off:off + n].data), 0
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
 
-    def run(self, sizes: list[int], threads: int) -> tuple[float, float]:
+    def run(self, sizes: list[int], threads: int, direct: bool = False) -> tuple[float, float]:
         """(GB/s, CPU seconds) of writing and syncing files of `sizes` (removed afterwards)."""
         cpu0, t0 = _cpu(resource.RUSAGE_SELF), time.perf_counter()
         with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(self._one, range(len(sizes)), sizes))
+            list(pool.map(functools.partial(self._one, direct=direct), range(len(sizes)), sizes))
         dt, cpu = time.perf_counter() - t0, _cpu(resource.RUSAGE_SELF) - cpu0
         for i in range(len(sizes)):
             (self.dir / f"plain_{i}.bin").unlink()
@@ -212,12 +224,16 @@ def output_sizes(d: Path) -> list[int]:
     return sorted((f.stat().st_size for f in d.rglob("*") if f.is_file()), reverse=True)
 
 
-def measure_disk(plain: PlainWriter, sizes: list[int], disk: list[float], cpus: list[float]) -> None:
+def measure_disk(plain: PlainWriter, sizes: list[int], disk: list[float], cpus: list[float],
+                 device: list[float]) -> None:
     rate, cpu = plain.run(sizes, 1)
     disk.append(rate)
     cpus.append(cpu)
     print(f"  disk (sequential, the same {len(sizes)} files, each + fdatasync): {rate:.3f} GB/s, "
           f"{cpu:.1f} CPU s; load average {os.getloadavg()[0]:.1f}", flush=True)
+    rate, cpu = plain.run(sizes, 1, direct=True)
+    device.append(rate)
+    print(f"  device (the same, O_DIRECT): {rate:.3f} GB/s, {cpu:.1f} CPU s", flush=True)
 
 
 def summarize(xs: list[float]) -> str:
@@ -282,7 +298,7 @@ def _bench(a: argparse.Namespace, work: Path) -> int:
         # Orbax saves one group at a time (one data file written at once); the export writes with
         # --workers threads.
         threads = 1 if d == "to_orbax" else a.workers
-        disk, par, runs, cpus = [], [], [], []
+        disk, par, runs, cpus, device = [], [], [], [], []
         print(f"{labels[d]}: load average {os.getloadavg()[0]:.1f}")
         # A first, untimed conversion: the output's file layout for the disk measurements, and every
         # timed round starts from the same state (code and input in the page cache).
@@ -293,7 +309,7 @@ def _bench(a: argparse.Namespace, work: Path) -> int:
         print(f"  output: {len(sizes)} files, {sum(sizes) / 1e9:.2f} GB, largest {sizes[0] / MiB:.0f} MiB; "
               f"{threads} writer thread(s)")
 
-        measure_disk(plain, sizes, disk, cpus)
+        measure_disk(plain, sizes, disk, cpus, device)
         for r in range(a.rounds):
             # Removed first (untimed): the page cache then has the same room for the conversion's
             # writes as for the plain writes, whose files are removed after each measurement.
@@ -312,21 +328,23 @@ def _bench(a: argparse.Namespace, work: Path) -> int:
                   f"{inproc:.1f} s ({total / inproc / 1e9:.3f} GB/s), {child['cpu']:.1f} CPU s; peak RSS "
                   f"{child['rss']:.0f} MiB, RssAnon {child['anon']:.0f} MiB; load average "
                   f"{os.getloadavg()[0]:.1f}", flush=True)
-            measure_disk(plain, sizes, disk, cpus)
+            measure_disk(plain, sizes, disk, cpus, device)
             if threads > 1:
                 rate, cpu = plain.run(sizes, threads)
                 par.append(rate)
                 print(f"  plain ({threads} threads, the same files): {rate:.3f} GB/s, {cpu:.1f} CPU s",
                       flush=True)
         bound = memory_bound(d, largest, a.workers) / MiB
-        report["directions"][d] = {"disk": disk, "disk_cpu": cpus, "plain_parallel": par, "runs": runs,
+        report["directions"][d] = {"disk": disk, "disk_cpu": cpus, "device": device, "plain_parallel": par,
+                                   "runs": runs,
                                    "bound": bound, "files": len(sizes), "threads": threads}
     du = sum(f.stat().st_size for f in orbax.rglob("*") if f.is_file())
     print(f"Orbax directory: {du / 1e9:.2f} GB on disk ({'zstd' if a.compress else 'uncompressed'})")
-    print("\n| direction | disk sequential GB/s min / median / max (n) | plain, same files, converter's "
-          "threads | converter end to end | in-process | % of disk median (end to end / in-process) "
-          "| % of plain | CPU s per GB: converter / disk write | peak RSS / bound | peak RssAnon / bound |\n"
-          "|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| direction | disk sequential GB/s min / median / max (n) | device (O_DIRECT) | plain, same "
+          "files, converter's threads | converter end to end | in-process | % of disk median (end to end / "
+          "in-process) | % of device median (in-process) | % of plain | CPU s per GB: converter / disk write "
+          "| peak RSS / bound | peak RssAnon / bound |\n"
+          "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for d, r in report["directions"].items():
         med = statistics.median(r["disk"])
         plain_rate = statistics.median(r["plain_parallel"]) if r["plain_parallel"] else med
@@ -340,8 +358,11 @@ def _bench(a: argparse.Namespace, work: Path) -> int:
                  anon_bound=anon_bound)
         par = (f"{summarize(r['plain_parallel'])} ({r['threads']} threads)" if r["plain_parallel"]
                else "= disk (1 thread)")
-        print(f"| {labels[d]} | {summarize(r['disk'])} ({len(r['disk'])}) | {par} | {e2e:.3f} | {inp:.3f} | "
-              f"{100 * e2e / med:.0f}% / {100 * inp / med:.0f}% | {100 * inp / plain_rate:.0f}% | "
+        dev = statistics.median(r["device"])
+        r.update(device_median=dev)
+        print(f"| {labels[d]} | {summarize(r['disk'])} ({len(r['disk'])}) | {summarize(r['device'])} | "
+              f"{par} | {e2e:.3f} | {inp:.3f} | {100 * e2e / med:.0f}% / {100 * inp / med:.0f}% | "
+              f"{100 * inp / dev:.0f}% | {100 * inp / plain_rate:.0f}% | "
               f"{statistics.median(x['cpu'] for x in r['runs']) / total * 1e9:.1f} / "
               f"{statistics.median(r['disk_cpu']) / total * 1e9:.1f} | {rss:.0f} / {rss_bound:.0f} MiB | "
               f"{anon:.0f} / {anon_bound:.0f} MiB{' ABOVE BOUND' if over else ''} |")
