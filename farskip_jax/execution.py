@@ -101,7 +101,7 @@ class ExecutionConfig:
     # sequences into this many equal chunks that run through every layer as separate streams, so
     # one chunk's all-to-alls can hide under another chunk's compute (MaxText's "batch split").
     # Lossless: sequences are independent, and capacity is counted per sequence. auto: by the
-    # device the step runs on (`split_chunks`).
+    # device the step runs on and the mesh's data axis (`split_chunks`).
     batch_split: int | Literal["auto"] = 1
     # Stagger the batch chunks with optimization barriers (model/farskip.py residual_step_chunks):
     # chunk 1's attention beside chunk 0's MoE. Off (default): the chunks are independent and XLA
