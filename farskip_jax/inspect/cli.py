@@ -396,9 +396,10 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"grouped GEMMs priced at {args.grouped_fill:.4g} of their rows "
           f"(--moe-load {args.moe_load})")
     if ep and cfg.execution.batch_split == "auto":
+        from farskip_jax import targets
         from farskip_jax.platforms import device_family
 
-        family = {"h200": "cuda", "mi300x": "rocm"}.get(args.target)
+        family = targets.PLATFORMS.get(args.target)
         if family is None:  # --target local: this machine's devices
             import jax
 

@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 
 from farskip_jax import targets
 from farskip_jax.config import Config
+from farskip_jax.distributed import allgather_json
 
 log = logging.getLogger(__name__)
 
@@ -123,11 +123,7 @@ def compiled_peak(compiled: Any) -> int | None:
 def _all_processes(fits: bool) -> bool:
     """Every process decides alike (each compiled the same SPMD program; a host whose allocator
     limit is lower must not run another program than the rest)."""
-    if jax.process_count() == 1:
-        return fits
-    from jax.experimental import multihost_utils
-
-    return bool(np.all(multihost_utils.process_allgather(np.asarray(fits))))
+    return all(allgather_json(bool(fits)))
 
 
 @dataclasses.dataclass
@@ -224,11 +220,7 @@ def _resume_from(policies: tuple[str, ...], record: dict | None) -> int:
     """Where the search starts: the remembered policy's place among `policies` (0 without one),
     the earliest any process would start at, so that every process compiles the same programs."""
     start = policies.index(record["policy"]) if record and record.get("policy") in policies else 0
-    if jax.process_count() == 1:
-        return start
-    from jax.experimental import multihost_utils
-
-    return int(np.min(multihost_utils.process_allgather(np.asarray(start))))
+    return min(allgather_json(start))
 
 
 def settle(cfg: Config, program: Any, args: tuple, worst_case: bool = False,
