@@ -1,7 +1,8 @@
 """The main overlap rows of DeepSeek-V2-Lite, full size, deviceless, one `inspect` process per row.
 
 Rows: the FCSD step `train.py --config dsv2lite_farskip` runs (EP8 on one node, EP16, EP32 and EP64
-over two, four and eight; `--set mesh.expert_per_node=8` for the node-aware exchange),
+over two, four and eight: node-aware, as `mesh.expert_per_node: auto` runs them; `--set
+mesh.expert_per_node=0` for the flat exchange),
 the TP8 prefill of one 4096-token prompt and one TP8 decode step (256 sequences, 4096 cached
 tokens), each with `--compare-regular`, for H200 (XLA's own estimator) and MI300X (the synthetic
 PGLE profile, the inspector's default there; each MI300X report also carries the replay of the
@@ -28,7 +29,8 @@ from pathlib import Path
 ROWS: dict[str, list[str]] = {}
 for target in ("h200", "mi300x"):
     ROWS[f"fcsd_ep8_{target}"] = ["--mode", "fcsd", "--target", target]
-    for ep in (16, 32, 64):  # 2, 4 and 8 nodes of 8 GPUs, flat or node-aware (--set mesh.expert_per_node=8)
+    # 2, 4 and 8 nodes of 8 GPUs (node-aware by default; flat: --set mesh.expert_per_node=0)
+    for ep in (16, 32, 64):
         ROWS[f"fcsd_ep{ep}_{target}"] = ["--mode", "fcsd", "--target", target, "--mesh", f"expert={ep}",
                                          "--seqs-per-device", "4"]
     ROWS[f"prefill_{target}"] = ["--mode", "prefill", "--target", target, "--mesh", "tensor=8"]

@@ -177,6 +177,16 @@ def run_inspect(args: argparse.Namespace, build_step: BuildStep,
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     mesh = aot.make_target_mesh(args.target, args.mesh)
+    exchange_meta = {}
+    if getattr(args, "expert_per_node", None) is not None and args.mesh.get("expert", 1) > 1:
+        from farskip_jax.train.program import resolve_expert_per_node
+
+        per_node = resolve_expert_per_node(mesh, args.expert_per_node)
+        exchange_meta["expert_per_node"] = per_node
+        if args.expert_per_node == "auto":
+            what = (f"node-aware exchange, {args.mesh['expert'] // per_node} nodes of {per_node} expert ranks"
+                    if per_node else "flat exchange")
+            print(f"inspect: mesh.expert_per_node=auto: {per_node} on {args.target} ({what})")
     reports: dict[str, Any] = {}
     analyses: dict[str, Any] = {}
     for mode in modes:
@@ -184,7 +194,8 @@ def run_inspect(args: argparse.Namespace, build_step: BuildStep,
         analysis = hlo.analyze(art.hlo_text, args.target, art.lhs_schedule_text, grouped_fill(args),
                                declared_rows(args))
         analyses[mode] = analysis
-        meta = {"mode": mode, "mesh": args.mesh, "grouped_gemm_fill": grouped_fill(args), **art.summary()}
+        meta = {"mode": mode, "mesh": args.mesh, **exchange_meta, "grouped_gemm_fill": grouped_fill(args),
+                **art.summary()}
         baseline = extra.pop("_baseline", None)
         meta.update(extra)
         if baseline is not None:
@@ -395,6 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"inspect: {cfg.name} {args.mode} on {args.target}, mesh {mesh}, modes {args.modes}, {shape}, "
           f"grouped GEMMs priced at {args.grouped_fill:.4g} of their rows "
           f"(--moe-load {args.moe_load})")
+    args.expert_per_node = cfg.mesh.expert_per_node if ep else None
     if ep and cfg.execution.batch_split == "auto":
         from farskip_jax import targets
         from farskip_jax.platforms import device_family

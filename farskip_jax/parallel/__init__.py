@@ -7,6 +7,7 @@ from farskip_jax.parallel.forward import ep_forward, tp_cached_forward, tp_forwa
 from farskip_jax.parallel.mesh import (
     BATCH_AXES,
     batch_sharding,
+    expert_ranks_per_node,
     make_mesh,
     param_shardings,
     param_specs_tree,
@@ -16,6 +17,6 @@ from farskip_jax.parallel.mesh import (
 )
 from farskip_jax.parallel.tensor import TensorParallel
 
-__all__ = ["BATCH_AXES", "ExpertParallel", "TensorParallel", "batch_sharding", "ep_forward", "make_mesh",
-           "param_shardings", "param_specs_tree", "partition_spec", "place", "replicate_kv_heads",
-           "resolve_exchange", "tp_cached_forward", "tp_forward"]
+__all__ = ["BATCH_AXES", "ExpertParallel", "TensorParallel", "batch_sharding", "ep_forward",
+           "expert_ranks_per_node", "make_mesh", "param_shardings", "param_specs_tree", "partition_spec",
+           "place", "replicate_kv_heads", "resolve_exchange", "tp_cached_forward", "tp_forward"]

@@ -14,6 +14,9 @@ query heads read it (`replicate_kv_heads`).
 
 from __future__ import annotations
 
+import functools
+import socket
+from collections.abc import Hashable, Sequence
 from typing import Any, Literal
 
 import jax
@@ -22,6 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from farskip_jax import distributed
 from farskip_jax.config import ConfigError, MeshConfig, ModelConfig
 
 AXES = ("data", "expert", "tensor")
@@ -50,6 +54,48 @@ def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
                          f"{len(devices)} available")
     grid = np.asarray(devices[:n], dtype=object).reshape(cfg.data, cfg.expert, cfg.tensor)
     return Mesh(grid, AXES)
+
+
+def device_nodes(devices: Sequence[Any]) -> list[Hashable]:
+    """The node each of `devices` is on. In a multi-process run, the host name of the device's
+    process, so one process per node and one per GPU both find the nodes. In one process, the
+    device's `process_index`: 0 for every device of a real single-process run, and the host of a
+    deviceless target topology (8 GPUs per host, xla/aot.py)."""
+    if jax.process_count() == 1:
+        return [d.process_index for d in devices]
+    hosts = _process_hosts()
+    return [hosts[d.process_index] for d in devices]
+
+
+@functools.cache
+def _process_hosts() -> tuple[str, ...]:
+    # A collective (every process gathers every host name); cached, so that only the first call,
+    # which every process makes at the same point (train.program.build_program), communicates.
+    return tuple(distributed.allgather_json(socket.gethostname()))
+
+
+def expert_ranks_per_node(mesh: Mesh, nodes: Sequence[Hashable] | None = None) -> int | None:
+    """Expert ranks per node for `mesh.expert_per_node: auto`: 0 when each expert group lies on one
+    node (the flat exchange stays on NVLink / xGMI); p when every expert group is cut into whole
+    blocks of p consecutive ranks, one node per block, as `make_mesh` lays them out (the two-stage
+    exchange of parallel/node_aware.py); None when the groups span nodes in any other way (the
+    two-stage exchange's node groups would not be nodes). `nodes`: the node of each device of
+    `mesh.devices.flat` (default `device_nodes`)."""
+    grid = mesh.devices
+    keys = np.empty(grid.size, dtype=object)
+    keys[:] = device_nodes(list(grid.flat)) if nodes is None else list(nodes)
+    keys = keys.reshape(grid.shape)
+    axis = mesh.axis_names.index("expert")
+    lines = np.moveaxis(keys, axis, -1).reshape(-1, grid.shape[axis])
+    expert = lines.shape[1]
+    per = next((i for i in range(1, expert) if lines[0, i] != lines[0, 0]), expert)
+    if expert % per:
+        return None
+    for line in lines:
+        blocks = line.reshape(-1, per)
+        if any(len(set(b)) != 1 for b in blocks) or len({b[0] for b in blocks}) != len(blocks):
+            return None
+    return 0 if per == expert else per
 
 
 # Path suffix -> spec per layout. Paths are NNX state paths joined with "/", e.g.

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+import logging
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -24,13 +25,15 @@ from jax.sharding import PartitionSpec as P
 from farskip_jax.config import Config, ExecutionConfig, ModelConfig, TrainConfig
 from farskip_jax.errors import UserError
 from farskip_jax.model.transformer import Transformer, with_farskip
-from farskip_jax.parallel import BATCH_AXES, ExpertParallel, param_shardings
+from farskip_jax.parallel import BATCH_AXES, ExpertParallel, expert_ranks_per_node, param_shardings
 from farskip_jax.train import remat
 from farskip_jax.train.optim import lr_schedule, make_optimizer
 from farskip_jax.train.step import LossSpec, StepShardings, make_eval_step, make_train_step
 from farskip_jax.train.zero1 import batch_devices, step_shardings
 
 BATCH_FIELDS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
+
+log = logging.getLogger(__name__)
 
 
 def student_config(cfg: Config) -> ModelConfig:
@@ -60,17 +63,35 @@ def uses_teacher_cache(tc: TrainConfig) -> bool:
     return tc.mode == "fcsd" and tc.teacher_cache is not None
 
 
-def parallel_for(mesh: Mesh, expert_per_node: int = 0) -> ExpertParallel | None:
+def parallel_for(mesh: Mesh, expert_per_node: int | Literal["auto"] = 0) -> ExpertParallel | None:
     """The model's `parallel=` object for the training mesh (None: plain local routing);
-    `expert_per_node` as `mesh.expert_per_node`."""
+    `expert_per_node` as `mesh.expert_per_node` (auto: `resolve_expert_per_node`)."""
     if dict(mesh.shape).get("tensor", 1) != 1:
         raise UserError("training uses the expert-parallel layout: set --set mesh.tensor=1 (tensor "
                         "parallelism is for inference) and split devices with mesh.expert / mesh.data")
     expert = dict(mesh.shape).get("expert", 1)
-    if 0 < expert_per_node < expert and expert % expert_per_node:
-        raise UserError(f"mesh.expert_per_node={expert_per_node} does not divide mesh.expert={expert}: "
+    if expert == 1:
+        return None
+    per_node = resolve_expert_per_node(mesh, expert_per_node)
+    if 0 < per_node < expert and expert % per_node:
+        raise UserError(f"mesh.expert_per_node={per_node} does not divide mesh.expert={expert}: "
                         "the expert axis must be whole nodes of that many ranks (or set it to 0)")
-    return ExpertParallel(mesh, expert_per_node=expert_per_node) if expert > 1 else None
+    return ExpertParallel(mesh, expert_per_node=per_node)
+
+
+def resolve_expert_per_node(mesh: Mesh, setting: int | Literal["auto"]) -> int:
+    """`mesh.expert_per_node` as the exchange uses it: an integer as given; auto from the nodes of
+    the mesh's devices (`parallel.mesh.expert_ranks_per_node`), the flat exchange (0) where the
+    expert axis stays on one node or does not span nodes in whole blocks of ranks (with a warning)."""
+    if setting != "auto":
+        return setting
+    per_node = expert_ranks_per_node(mesh)
+    if per_node is None:
+        log.warning("mesh.expert_per_node=auto: the expert axis spans nodes, but not in whole blocks of "
+                    "consecutive ranks (start one process per node, or processes of a node with "
+                    "consecutive ranks); using the flat exchange. Set mesh.expert_per_node to override.")
+        return 0
+    return per_node
 
 
 def abstract_params(mcfg: ModelConfig, exe: ExecutionConfig) -> tuple[nnx.GraphDef, nnx.State]:

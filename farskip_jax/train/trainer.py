@@ -122,6 +122,9 @@ class Trainer:
         check_init_checkpoint(cfg)
         self.program = build_program(cfg, self.mesh)
         self.parallel, self.spec = self.program.parallel, self.program.spec
+        if self.parallel is not None and self.parallel.nodes > 1:
+            log.info("expert exchange: node-aware, %d nodes of %d expert ranks (mesh.expert_per_node=%s)",
+                     self.parallel.nodes, self.parallel.expert_per_node, cfg.mesh.expert_per_node)
         if self.spec.cached_teacher and tc.hidden_l2_weight > 0:
             raise UserError("train.hidden_l2_weight needs the teacher's hidden states; it cannot be used "
                             "with train.teacher_cache (set one of them to 0 / null)")
@@ -496,6 +499,7 @@ class Trainer:
             "checkpoints": self.ckpt.steps(), "tokens_per_s": real_tokens / max(elapsed, 1e-9),
             "loss_tokens": tokens_seen, "wall_s": elapsed, **self.counts, **self._host_gap(),
             "remat": self.program.student_exe.remat,
+            "expert_per_node": self.parallel.expert_per_node if self.parallel is not None else 0,
             "batch_split": self.program.student_exe.split_chunks(device_family(jax.devices()[0]),
                                                                  self.mesh.shape["data"]),
         }

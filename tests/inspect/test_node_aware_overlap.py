@@ -26,10 +26,27 @@ from farskip_jax.inspect import hlo, steps
 from farskip_jax.inspect.cli import run_inspect
 from farskip_jax.model.moe import MoE
 from farskip_jax.parallel import ExpertParallel
+from farskip_jax.train.program import build_program
 from farskip_jax.xla import aot, links
 
 pytest.importorskip("jax_plugins.xla_cuda13", reason="jax-cuda13-pjrt not installed")
 MESH = {"data": 1, "expert": 32, "tensor": 1}
+
+
+@pytest.mark.parametrize(("shape", "per_node"), [
+    ({"data": 1, "expert": 32, "tensor": 1}, 8),  # 4 nodes of 8: node-aware
+    ({"data": 2, "expert": 16, "tensor": 1}, 8),  # each expert group over 2 nodes
+    ({"data": 4, "expert": 8, "tensor": 1}, 0),  # each expert group one node: flat, on NVLink
+    ({"data": 1, "expert": 8, "tensor": 1}, 0),
+])
+def test_the_default_config_picks_the_exchange_by_node(shape, per_node):
+    """`mesh.expert_per_node: auto` (the default) on the target topology's hosts of 8 GPUs: the
+    program train.py and the inspector build for it runs the node-aware exchange exactly where the
+    expert axis spans nodes."""
+    cfg = load_config("dsv2lite_farskip", parse_overrides(["model.num_layers=3", "model.vocab_size=8192"]))
+    assert cfg.mesh.expert_per_node == "auto"
+    par = build_program(cfg, aot.make_target_mesh("h200", shape)).parallel
+    assert (par.expert_per_node, par.nodes) == (per_node, shape["expert"] // per_node if per_node else 1)
 
 
 def _ragged(analysis: hlo.Analysis) -> list[hlo.CollectiveRecord]:
@@ -90,15 +107,17 @@ def test_production_step_hides_the_inter_node_exchanges(tmp_path):
     16.8 vs 24.2 ms, est. step 65.5 vs 67.2 ms; every inter-node exchange async with 15-370 us of
     compute under it (two compiles, ~5 min on 2 cores)."""
     reports = {}
-    for per_node in (0, 8):
+    for per_node in (0, "auto"):  # the flat exchange; the config's default, node-aware here
         cfg = load_config("dsv2lite_farskip", parse_overrides(
             ["model.num_layers=3", "model.vocab_size=8192", f"mesh.expert_per_node={per_node}",
              "execution.remat=save_a2a"]))  # the measured program (three layers would fit none)
         args = argparse.Namespace(target="h200", mesh=MESH, modes="farskip", out=tmp_path / str(per_node),
-                                  lhs_dump=False, compiler_option=[], no_default_options=False,
-                                  save_hlo=False, timeline=False)
+                                  expert_per_node=cfg.mesh.expert_per_node, lhs_dump=False,
+                                  compiler_option=[], no_default_options=False, save_hlo=False,
+                                  timeline=False)
         reports[per_node] = run_inspect(args, steps.build_train_step(cfg, seqs_per_device=2, seq_len=4096))
-    flat, two = reports[0]["farskip"], reports[8]["farskip"]
+    flat, two = reports[0]["farskip"], reports["auto"]["farskip"]
+    assert (flat["meta"]["expert_per_node"], two["meta"]["expert_per_node"]) == (0, 8)
     rag = lambda r: [c for c in r["collectives"] if c["kind"] == "ragged-all-to-all"]  # noqa: E731
     across = [c for c in rag(two) if c["group_size"] == 4]
     assert across and all(c["is_async"] and c["compute_between_us"] > 0 for c in across)

@@ -39,8 +39,17 @@ from par_common import (
 
 from farskip_jax.config import MeshConfig
 from farskip_jax.model.moe import RoutedExperts, Routing, local_routed
-from farskip_jax.parallel import ExpertParallel, batch_sharding, make_mesh, param_shardings, place
+from farskip_jax.parallel import (
+    ExpertParallel,
+    batch_sharding,
+    expert_ranks_per_node,
+    make_mesh,
+    param_shardings,
+    place,
+)
+from farskip_jax.parallel import mesh as mesh_module
 from farskip_jax.parallel.node_aware import expected_nodes_per_token, node_groups, stage_rows
+from farskip_jax.train.program import parallel_for
 from farskip_jax.xla import links
 from farskip_jax.xla.hlo_parse import parse_hlo
 
@@ -252,3 +261,42 @@ def test_collectives_per_layer():
     # full: the forward's exchanges run again before their transposes, but for the stage-1 Combine,
     # whose result the backward pass does not read
     assert counts["full", "fwd+bwd", "all-to-all"] == 2 * (4 + 3 + 4)
+
+
+# mesh.expert_per_node: auto. Nodes given per device of mesh.devices.flat: (mesh, nodes, expected).
+AUTO_CASES = {
+    "one node": (MeshConfig(expert=8), [0] * 8, 0),
+    "2 nodes x 4": (MeshConfig(expert=8), [0] * 4 + [1] * 4, 4),
+    "4 nodes x 2": (MeshConfig(expert=8), [0, 0, 1, 1, 2, 2, 3, 3], 2),
+    # one process per GPU: the nodes are host names
+    "hosts": (MeshConfig(expert=8), ["gpu-a"] * 4 + ["gpu-b"] * 4, 4),
+    # data across nodes, each expert group inside one: the flat exchange stays on the node
+    "data across nodes": (MeshConfig(data=2, expert=4), [0] * 4 + [1] * 4, 0),
+    "data x 2 nodes per group": (MeshConfig(data=2, expert=4), [0, 0, 1, 1, 2, 2, 3, 3], 2),
+    # groups that span nodes other than in whole consecutive blocks: no node-aware exchange
+    "interleaved": (MeshConfig(expert=8), [0, 1] * 4, None),
+    "uneven": (MeshConfig(expert=8), [0, 0, 0, 1, 1, 1, 2, 2], None),
+    "node twice in a group": (MeshConfig(expert=8), [0, 0, 1, 1, 0, 0, 1, 1], None),
+    "groups cut differently": (MeshConfig(data=2, expert=4), [0, 0, 1, 1, 2, 3, 4, 5], None),
+}
+
+
+@pytest.mark.parametrize("case", list(AUTO_CASES))
+def test_expert_ranks_per_node_from_the_devices_nodes(case):
+    cfg, nodes, expected = AUTO_CASES[case]
+    assert expert_ranks_per_node(make_mesh(cfg), nodes) == expected
+
+
+def test_auto_resolves_to_the_flat_exchange_where_nodes_do_not_fit(monkeypatch, caplog):
+    mesh = make_mesh(MeshConfig(expert=8))
+    # one process: every device of this machine is on node 0
+    assert expert_ranks_per_node(mesh) == 0
+    assert parallel_for(mesh, "auto").nodes == 1
+    assert parallel_for(mesh, 4).nodes == 2  # an explicit setting is kept
+    monkeypatch.setattr(mesh_module, "device_nodes", lambda devices: [i % 2 for i in range(len(devices))])
+    with caplog.at_level("WARNING"):
+        assert parallel_for(mesh, "auto").nodes == 1
+    assert "not in whole blocks" in caplog.text
+    monkeypatch.setattr(mesh_module, "device_nodes", lambda devices: [i // 2 for i in range(len(devices))])
+    par = parallel_for(mesh, "auto")
+    assert (par.nodes, par.expert_per_node) == (4, 2)
