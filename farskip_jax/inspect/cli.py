@@ -149,8 +149,10 @@ def _compile_mode(built: Any, mode: str, args: argparse.Namespace, out: Path) ->
         return (art, extra), (art.memory or {}).get("peak_bytes_per_device")
 
     hbm = targets.device_memory_size(args.target) if args.target in targets.SPEC_FILES else None
+    schedule = ((lambda compiled: remat.schedule_of(compiled[0].hlo_text, args.target, grouped_fill(args)))
+                if args.target in targets.SPEC_FILES else None)
     choice = remat.choose(built.policies, compile_peak, remat.budget_bytes(built.exe, hbm),
-                          agree=lambda fits: fits)
+                          agree=lambda fits: fits, schedule=schedule)
     if choice.compiled is None:  # no budget known: the first policy, as the trainer runs it
         return compile_one(*built.build(choice.policy), f" (execution.remat={choice.policy})")
     art, extra = choice.compiled

@@ -467,6 +467,7 @@ def _totals(recs: list[CollectiveRecord], sim: _Simulator) -> dict[str, Any]:
         return {
             "count": sum(r.weight for r in rs), "sync": sum(r.weight for r in rs if not r.is_async),
             "async": sum(r.weight for r in rs if r.is_async), "transfer_us": transfer,
+            "sync_transfer_us": sum(r.transfer_us * r.weight for r in rs if not r.is_async),
             "hidden_us": hidden, "hidden_frac": hidden / transfer if transfer else None,
             "sim_exposed_us": exposed,
             "nic_bytes": sum(r.nic_bytes * r.weight for r in rs),  # per device, link model

@@ -47,6 +47,10 @@ log = logging.getLogger(__name__)
 # Most kept first: each later policy recomputes more and holds less.
 REMAT_BY_MEMORY = ("none", "save_a2a", "save_dots", "full")
 GIB = 2**30
+# A fitting policy whose schedule leaves more of its collective transfer time synchronous than this
+# is compared with the next one (`choose`). Measured (BENCHMARKS K14, deviceless): H200 EP32 `none`
+# 28-31%; the other full-size steps with a complete report 0-0.6%.
+MAX_SYNC_SHARE = 0.25
 MEMO_NAME = "remat_auto.json"
 # train.* keys that set the schedule and the run's bookkeeping, not what the step holds in memory;
 # every other config value is part of `memo_key` (a key that changes costs a search, never a fit)
@@ -152,22 +156,62 @@ def _gib(b: int | None) -> str:
     return f"{b / GIB:.1f} GiB" if b >= GIB else f"{b / 2**20:.1f} MiB"
 
 
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """What a compiled step's schedule says about a policy (`inspect.hlo.analyze` of its HLO)."""
+
+    sync_share: float  # of the collective transfer time, the part XLA left with nothing under it
+    est_step_us: float  # the inspector's estimated step
+
+
+def schedule_of(hlo_text: str, target: str, grouped_fill: float = 1.0) -> Schedule:
+    """`Schedule` of a compiled step's HLO text, priced for `target` (h200, mi300x)."""
+    from farskip_jax.inspect import hlo  # not at import time: only GPU choices need it
+
+    totals = hlo.analyze(hlo_text, target, grouped_fill=grouped_fill).totals
+    transfer, sync = totals["all"]["transfer_us"], totals["all"]["sync_transfer_us"]
+    return Schedule(sync / transfer if transfer > 0 else 0.0, totals["est_step_us"])
+
+
 def choose(policies: tuple[str, ...], compile_peak: Callable[[str], tuple[Any, int | None]],
-           budget: int | None, agree: Callable[[bool], bool] = _all_processes) -> Choice:
+           budget: int | None, agree: Callable[[bool], bool] = _all_processes,
+           schedule: Callable[[Any], Schedule | None] | None = None) -> Choice:
     """The first of `policies` whose compile fits `budget`. `compile_peak(policy)` -> (what the
     compile returned, peak bytes per device or None when the backend reports none). With no budget
     the first policy is taken uncompiled (compiled None: the caller compiles it as usual). When none
     fits, the last (the one holding least) is returned with a warning: XLA may still fit it by its
-    own rematerialization, or the run fails with its out-of-memory error."""
+    own rematerialization, or the run fails with its out-of-memory error.
+
+    `schedule(compiled)` (GPU targets): a policy that fits but whose schedule leaves more than
+    `MAX_SYNC_SHARE` of the collective transfer time synchronous (XLA's scheduler holds collectives
+    back near its own memory limit: H200 EP32 `none`, 30% of its collectives, BENCHMARKS K14) is
+    compared with the next policy that fits, and the one with the shorter estimated step runs."""
     if budget is None or len(policies) == 1:
         return Choice(policies[0], None, budget, {})
     peaks: dict[str, int | None] = {}
-    for policy in policies:
+    held: tuple[Choice, Schedule] | None = None
+    for i, policy in enumerate(policies):
         compiled, peak = compile_peak(policy)
         peaks[policy] = peak
         choice = Choice(policy, compiled, budget, peaks)
-        if agree(choice.fits):
+        if not agree(choice.fits):
+            continue
+        sched = schedule(compiled) if schedule is not None else None
+        if held is not None:
+            first, first_sched = held
+            keep_first = sched is None or first_sched.est_step_us <= sched.est_step_us
+            log.info("execution.remat=auto: %s est. %.1f ms (%.0f%% of collective time synchronous) "
+                     "against %s est. %s ms", first.policy, first_sched.est_step_us / 1e3,
+                     100 * first_sched.sync_share, policy,
+                     "?" if sched is None else f"{sched.est_step_us / 1e3:.1f}")
+            if agree(keep_first):
+                return dataclasses.replace(first, peaks=peaks)
             return choice
+        if sched is None or sched.sync_share <= MAX_SYNC_SHARE or i == len(policies) - 1:
+            return choice
+        held = (choice, sched)
+    if held is not None:  # nothing after the held policy fits
+        return dataclasses.replace(held[0], peaks=peaks)
     log.warning("execution.remat=auto: no policy fits: %s; running %s. Fewer tokens per device "
                 "(data.batch_size, data.seq_len) or a larger budget (execution.remat_hbm_fraction, "
                 "execution.remat_budget_gib).", choice.describe(), policy)
@@ -256,10 +300,27 @@ def settle(cfg: Config, program: Any, args: tuple, worst_case: bool = False,
                  " (worst-case buffers)" if worst_case else "", time.perf_counter() - t0, _gib(peak))
         return (prog, compiled), peak
 
-    choice = choose(policies, compile_peak, budget)
+    choice = choose(policies, compile_peak, budget, schedule=_device_schedule(cfg, program, args))
     if key is not None:
         remember(memo, slot, key, choice, rejected)
     return choice.compiled or (program, None), choice
+
+
+def _device_schedule(cfg: Config, program: Any, args: tuple) -> Callable[[Any], Schedule] | None:
+    """`choose`'s schedule check for the trainer's compiles on an H200- or MI300X-class GPU (priced
+    by that target's cost model, the routed experts at the balanced fill); None elsewhere."""
+    from farskip_jax.xla.flags import detect_local_target
+
+    target = detect_local_target()
+    if target not in ("h200", "mi300x"):
+        return None
+    from farskip_jax.model.dispatch import balanced_grouped_fill
+
+    mesh = dict(program.mesh.shape)
+    seqs, seq_len = args[2]["input_ids"].shape[-2:]
+    tokens = seqs // max(1, mesh.get("data", 1) * mesh.get("expert", 1)) * seq_len
+    fill = balanced_grouped_fill(cfg.model, cfg.execution, mesh, True, tokens, seq_len)
+    return lambda compiled: schedule_of(compiled[1].as_text(), target, fill)
 
 
 @dataclasses.dataclass

@@ -67,6 +67,88 @@ def test_choose_compiles_until_one_fits(caplog):
     assert choice.policy == "full" and compiled == list(policies)
 
 
+def test_choose_compares_a_schedule_held_back_by_memory(caplog):
+    """A policy that fits but whose schedule XLA left largely synchronous (H200 EP32 `none`) is
+    compared with the next policy that fits, by estimated step; below the threshold nothing more
+    is compiled."""
+    peaks = {"none": 9, "save_a2a": 12, "save_dots": 5, "full": 4}
+    policies = remat.candidates("auto", True)
+
+    def run(schedules):
+        compiled: list[str] = []
+
+        def compile_peak(policy):
+            compiled.append(policy)
+            return policy, peaks[policy]
+
+        with caplog.at_level(logging.INFO):
+            choice = remat.choose(policies, compile_peak, budget=10, agree=lambda ok: ok,
+                                  schedule=lambda policy: schedules.get(policy))
+        return choice, compiled
+
+    sched = remat.Schedule
+    # none fits but 31% of its collective time is synchronous; save_a2a does not fit; save_dots is faster
+    choice, compiled = run({"none": sched(0.31, 1433e3), "save_dots": sched(0.0, 1392e3)})
+    assert (choice.policy, choice.compiled) == ("save_dots", "save_dots")
+    assert compiled == ["none", "save_a2a", "save_dots"]
+    assert ("none est. 1433.0 ms (31% of collective time synchronous) against save_dots est. 1392.0 ms"
+            in caplog.text)
+    # ... unless the held-back schedule is still the faster one: then it runs, all peaks recorded
+    choice, compiled = run({"none": sched(0.31, 1300e3), "save_dots": sched(0.0, 1392e3)})
+    assert (choice.policy, choice.compiled, compiled) == ("none", "none", ["none", "save_a2a", "save_dots"])
+    assert list(choice.peaks) == ["none", "save_a2a", "save_dots"] and choice.fits
+    # under the threshold (or no schedule known: CPU) the first fit runs, nothing more compiled
+    for schedules in ({"none": sched(remat.MAX_SYNC_SHARE, 1433e3)}, {}):
+        choice, compiled = run(schedules)
+        assert (choice.policy, compiled) == ("none", ["none"])
+    # held back and nothing after it fits: it runs
+    peaks.update(save_dots=11, full=11)
+    choice, compiled = run({"none": sched(0.5, 1433e3)})
+    assert (choice.policy, compiled) == ("none", list(policies)) and choice.fits
+
+
+_GEMM = ('custom-call(%x, %w), custom_call_target="__cublas$lt$matmul", backend_config='
+         '{"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],'
+         '"rhs_contracting_dimensions":["0"]}}}')
+
+
+def _module(exchange_async: bool) -> str:
+    """An all-to-all of 4 MiB in groups of 8 and a 4096 x 1024 x 1024 GEMM (scheduled HLO text):
+    the GEMM under the exchange, or the exchange run synchronously before it."""
+    exchange = ([
+        "  %a2a-start = ((bf16[2048,1024]{1,0}), bf16[2048,1024]{1,0}) async-start(%x), calls=%a2a",
+        f"  %mm = (bf16[2048,1024]{{1,0}}, s8[0]{{0}}) {_GEMM}",
+        "  %a2a-done = bf16[2048,1024]{1,0} async-done(%a2a-start)",
+    ] if exchange_async else [
+        "  %a2a-done = bf16[2048,1024]{1,0} all-to-all(%x), channel_id=1, "
+        "replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}",
+        f"  %mm = (bf16[2048,1024]{{1,0}}, s8[0]{{0}}) {_GEMM}",
+    ])
+    return "\n".join([
+        "HloModule jit_step, is_scheduled=true, num_partitions=8", "",
+        "%a2a (p: bf16[2048,1024]) -> bf16[2048,1024] {",
+        "  %p = bf16[2048,1024]{1,0} parameter(0)",
+        "  ROOT %all-to-all.1 = bf16[2048,1024]{1,0} all-to-all(%p), channel_id=1, "
+        "replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}",
+        "}", "",
+        "ENTRY %main (x: bf16[2048,1024], w: bf16[1024,1024]) -> bf16[2048,1024] {",
+        "  %x = bf16[2048,1024]{1,0} parameter(0)",
+        "  %w = bf16[1024,1024]{1,0} parameter(1)",
+        *exchange,
+        "  %g = bf16[2048,1024]{1,0} get-tuple-element(%mm), index=0",
+        "  ROOT %add.1 = bf16[2048,1024]{1,0} add(%g, %a2a-done)",
+        "}", "",
+    ])
+
+
+def test_schedule_of_reads_synchronous_transfer_and_the_estimated_step():
+    """`remat.schedule_of` is the inspector's analysis of the HLO: a synchronous exchange is all of
+    the transfer time and adds its time to the estimated step; one with the GEMM under it, none."""
+    sync, hidden = (remat.schedule_of(_module(a), "h200") for a in (False, True))
+    assert (sync.sync_share, hidden.sync_share) == (1.0, 0.0)
+    assert sync.est_step_us > hidden.est_step_us > 0
+
+
 def test_memo_key_and_record(tmp_path, caplog):
     """A run's remembered choice: the key moves with what the compiled peaks depend on (config,
     argument shapes, budget), not with the schedule; a record is found only under its own key."""
