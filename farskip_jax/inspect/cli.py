@@ -156,7 +156,8 @@ def _compile_mode(built: Any, mode: str, args: argparse.Namespace, out: Path) ->
     if choice.compiled is None:  # no budget known: the first policy, as the trainer runs it
         return compile_one(*built.build(choice.policy), f" (execution.remat={choice.policy})")
     art, extra = choice.compiled
-    extra["remat_auto"] = {"policy": choice.policy, "budget_bytes": choice.budget, "peaks": choice.peaks}
+    extra["remat_auto"] = {"policy": choice.policy, "budget_bytes": choice.budget, "peaks": choice.peaks,
+                           "est_step_us": choice.estimates}
     print(f"[{mode}] execution.remat=auto: {choice.describe()}")
     return art, extra
 

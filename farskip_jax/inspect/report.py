@@ -130,8 +130,11 @@ def _remat_auto_markdown(auto: dict[str, Any] | None) -> list[str]:
     if not auto:
         return []
     tried = ", ".join(f"{p} {size_str(b)}" for p, b in auto["peaks"].items())
+    compared = ", ".join(f"{p} {us / 1e3:.1f} ms" for p, us in (auto.get("est_step_us") or {}).items())
+    why = (f"; compared by estimated step, the first's schedule left synchronous by XLA: {compared}"
+           if compared else "")
     return [f"execution.remat=auto: {auto['policy']} (peak per device of each policy compiled: {tried}; "
-            f"budget {size_str(auto['budget_bytes'])}).", ""]
+            f"budget {size_str(auto['budget_bytes'])}{why}).", ""]
 
 
 def markdown(report: dict[str, Any], max_rows: int = 200) -> str:

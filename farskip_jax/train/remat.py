@@ -12,7 +12,9 @@ peak (arguments + outputs - aliased + temporaries, `xla.aot.memory_section`) fit
 `execution.remat_hbm_fraction` (0.8) of the device's HBM, and never more than JAX's allocator may
 hand out, or `execution.remat_budget_gib`. Where no budget is known (CPU) it is `none` without
 compiling anything extra. Each rejected policy costs one compile; the log names the peaks, and
-`--set execution.remat=<policy>` pins the choice.
+`--set execution.remat=<policy>` pins the choice. On H200 / MI300X a policy that fits but whose
+schedule XLA left largely synchronous (`MAX_SYNC_SHARE`) is compared with the next one that fits by
+the inspector's estimated step (`choose`).
 
 The overflow re-run's worst-case program (`execution.moe_buffer_factor`) holds more than the bounded
 step, so it is chosen the same way among the policies that recompute at least as much as the
@@ -138,6 +140,8 @@ class Choice:
     compiled: Any
     budget: int | None
     peaks: dict[str, int | None]  # policy -> compiled peak bytes per device, in the order tried
+    # policy -> est. step (us) of the policies `choose` compared by their schedules
+    estimates: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -147,7 +151,8 @@ class Choice:
     def describe(self) -> str:
         tried = ", ".join(f"{p} {_gib(b)}" for p, b in self.peaks.items()) or "nothing compiled"
         budget = "no budget known" if self.budget is None else f"budget {_gib(self.budget)}"
-        return f"{self.policy} (peaks per device: {tried}; {budget})"
+        compared = "".join(f"; est. {p} {us / 1e3:.1f} ms" for p, us in self.estimates.items())
+        return f"{self.policy} (peaks per device: {tried}; {budget}{compared})"
 
 
 def _gib(b: int | None) -> str:
@@ -204,9 +209,11 @@ def choose(policies: tuple[str, ...], compile_peak: Callable[[str], tuple[Any, i
                      "against %s est. %s ms", first.policy, first_sched.est_step_us / 1e3,
                      100 * first_sched.sync_share, policy,
                      "?" if sched is None else f"{sched.est_step_us / 1e3:.1f}")
+            estimates = {first.policy: first_sched.est_step_us,
+                         **({policy: sched.est_step_us} if sched is not None else {})}
             if agree(keep_first):
-                return dataclasses.replace(first, peaks=peaks)
-            return choice
+                return dataclasses.replace(first, peaks=peaks, estimates=estimates)
+            return dataclasses.replace(choice, estimates=estimates)
         if sched is None or sched.sync_share <= MAX_SYNC_SHARE or i == len(policies) - 1:
             return choice
         held = (choice, sched)

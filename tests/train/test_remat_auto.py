@@ -97,6 +97,8 @@ def test_choose_compares_a_schedule_held_back_by_memory(caplog):
     choice, compiled = run({"none": sched(0.31, 1300e3), "save_dots": sched(0.0, 1392e3)})
     assert (choice.policy, choice.compiled, compiled) == ("none", "none", ["none", "save_a2a", "save_dots"])
     assert list(choice.peaks) == ["none", "save_a2a", "save_dots"] and choice.fits
+    assert choice.estimates == {"none": 1300e3, "save_dots": 1392e3}
+    assert "est. none 1300.0 ms; est. save_dots 1392.0 ms" in choice.describe()
     # under the threshold (or no schedule known: CPU) the first fit runs, nothing more compiled
     for schedules in ({"none": sched(remat.MAX_SYNC_SHARE, 1433e3)}, {}):
         choice, compiled = run(schedules)
