@@ -2,8 +2,10 @@
 #
 # Python >= 3.12 (jax 0.12 and tokamax publish wheels for 3.12 and later only): PY=... if given,
 # else the first of python3.12, python3.13, python3 on PATH that runs and is new enough (a pyenv
-# shim for a version pyenv is not set to does not run), else an installed pyenv 3.12 or 3.13.
-FIND_PY := for p in python3.12 python3.13 python3 $$(pyenv root 2>/dev/null)/versions/3.1[23]*/bin/python; do \
+# shim for a version pyenv is not set to does not run), else an installed pyenv 3.12 or 3.13 (found
+# by `pyenv root`, or in $PYENV_ROOT / ~/.pyenv when pyenv is not on PATH, as in a bare shell).
+FIND_PY := for p in python3.12 python3.13 python3 $$(pyenv root 2>/dev/null)/versions/3.1[23]*/bin/python \
+	$${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.1[23]*/bin/python; do \
 	"$$p" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1 && { echo "$$p"; break; }; done
 PY ?= $(shell $(FIND_PY))
 VENV := .venv
