@@ -201,7 +201,9 @@ def choose(policies: tuple[str, ...], compile_peak: Callable[[str], tuple[Any, i
         choice = Choice(policy, compiled, budget, peaks)
         if not agree(choice.fits):
             continue
-        sched = schedule(compiled) if schedule is not None else None
+        last = i == len(policies) - 1
+        # a schedule matters only beside a held-back one, or where a next policy could replace it
+        sched = schedule(compiled) if schedule is not None and (held is not None or not last) else None
         if held is not None:
             first, first_sched = held
             keep_first = sched is None or first_sched.est_step_us <= sched.est_step_us
@@ -214,7 +216,7 @@ def choose(policies: tuple[str, ...], compile_peak: Callable[[str], tuple[Any, i
             if agree(keep_first):
                 return dataclasses.replace(first, peaks=peaks, estimates=estimates)
             return dataclasses.replace(choice, estimates=estimates)
-        if sched is None or sched.sync_share <= MAX_SYNC_SHARE or i == len(policies) - 1:
+        if sched is None or sched.sync_share <= MAX_SYNC_SHARE:
             return choice
         held = (choice, sched)
     if held is not None:  # nothing after the held policy fits
@@ -316,17 +318,14 @@ def settle(cfg: Config, program: Any, args: tuple, worst_case: bool = False,
 def _device_schedule(cfg: Config, program: Any, args: tuple) -> Callable[[Any], Schedule] | None:
     """`choose`'s schedule check for the trainer's compiles on an H200- or MI300X-class GPU (priced
     by that target's cost model, the routed experts at the balanced fill); None elsewhere."""
+    from farskip_jax.train.scheduled_step import balanced_fill
     from farskip_jax.xla.flags import detect_local_target
 
     target = detect_local_target()
-    if target not in ("h200", "mi300x"):
+    if target not in targets.SPEC_FILES:
         return None
-    from farskip_jax.model.dispatch import balanced_grouped_fill
-
-    mesh = dict(program.mesh.shape)
-    seqs, seq_len = args[2]["input_ids"].shape[-2:]
-    tokens = seqs // max(1, mesh.get("data", 1) * mesh.get("expert", 1)) * seq_len
-    fill = balanced_grouped_fill(cfg.model, cfg.execution, mesh, True, tokens, seq_len)
+    seqs, seq_len = args[2]["input_ids"].shape[-2:]  # the global batch [A, B, T]
+    fill = balanced_fill(cfg, seqs // (cfg.mesh.data * cfg.mesh.expert), seq_len)
     return lambda compiled: schedule_of(compiled[1].as_text(), target, fill)
 
 

@@ -38,18 +38,24 @@ def profile_target(cfg: Config) -> str | None:
     return gpu
 
 
+def balanced_fill(cfg: Config, seqs_per_device: int, seq_len: int) -> float:
+    """The share of their static rows the train step's grouped GEMMs fill under balanced routing,
+    what the inspector prices them at (`model.dispatch.balanced_grouped_fill`) for `cfg`'s mesh."""
+    from farskip_jax.model.dispatch import balanced_grouped_fill
+
+    mesh = {"data": cfg.mesh.data, "expert": cfg.mesh.expert, "tensor": cfg.mesh.tensor}
+    return balanced_grouped_fill(cfg.model, cfg.execution, mesh, True, seqs_per_device * seq_len, seq_len)
+
+
 def compile_with_profile(step: Any, args: tuple, gpu: str, profile_dir: Path, cfg: Config,
                          seqs_per_device: int) -> Callable[..., Any]:
     """`step` (a jitted train step) compiled for these arguments with a synthetic PGLE profile of
     itself; returns the executable, called like `step`."""
-    from farskip_jax.model.dispatch import balanced_grouped_fill
     from farskip_jax.xla import pgle
     from farskip_jax.xla.flags import compiler_options_for
 
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), args)
-    mesh = {"data": cfg.mesh.data, "expert": cfg.mesh.expert, "tensor": cfg.mesh.tensor}
-    seq_len = args[2]["input_ids"].shape[-1]
-    fill = balanced_grouped_fill(cfg.model, cfg.execution, mesh, True, seqs_per_device * seq_len, seq_len)
+    fill = balanced_fill(cfg, seqs_per_device, args[2]["input_ids"].shape[-1])
     log.info("train.pgle: compiling the step twice for a synthetic %s profile (-> %s)", gpu, profile_dir)
     res = pgle.compile_with_synthetic_pgle(step, *abstract, target="local", cost_target=gpu,
                                            compiler_options=compiler_options_for(gpu),
