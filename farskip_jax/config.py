@@ -484,7 +484,9 @@ class TrainConfig:
     zero1: bool = True
     # What those all-gathers move: "compute" = each weight rounded to model.dtype (what the model
     # casts it to before use; bf16: half the bytes), except the router, read in float32; "param" =
-    # the master weights as stored (param_dtype). Both train bitwise alike (tests/train/test_zero1_gather.py).
+    # the master weights as stored (param_dtype), cast after the gather. Either way the model gets
+    # the model.dtype copy and its gradient crosses back once, in that dtype (train/zero1.py). Both
+    # train bitwise alike (tests/train/test_zero1_gather.py).
     zero1_gather: Literal["compute", "param"] = "compute"
 
     def validate(self) -> None:

@@ -38,6 +38,7 @@ from farskip_jax.model.farskip import (
 from farskip_jax.model.gqa_attention import GQAttention, KVCache
 from farskip_jax.model.layers import DTYPES, MLP, RMSNorm, normal_init
 from farskip_jax.model.moe import MoE, RoutedFn, local_routed
+from farskip_jax.parallel.grad_sync import batch_mesh, per_batch_shard
 from farskip_jax.platforms import device_family, target_device
 
 
@@ -193,7 +194,10 @@ class Transformer(nnx.Module):
         routed_fn = parallel.routed_fn if parallel is not None else local_routed
         reduce = parallel.reduce if parallel is not None else None
 
-        x = jnp.take(self.embed[...], input_ids, axis=0).astype(dt)
+        # On each device's own tokens: the embedding's gradient (a scatter-add in fp32) is summed over
+        # the batch devices once, in `dt`, like every other weight's (parallel/grad_sync.py).
+        x = per_batch_shard(lambda w, ids: jnp.take(w[0], ids[0], axis=0).astype(dt), batch_mesh(parallel),
+                            (self.embed[...],), (input_ids,), sum_outputs=False, grad_dtype=dt)
         y = None
         # Tensor-parallel token chunks: the stream is carried as a list of chunks through every layer,
         # so that a chunk's next layer reads only its own psums (farskip.residual_step_chunks).

@@ -15,6 +15,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from farskip_jax.parallel.grad_sync import per_batch_shard
 
 Array = jax.Array
 
@@ -56,22 +59,28 @@ def _chunked_inputs(token_arrays: tuple[Array, ...], chunk_size: int, token_ndim
     return tuple(seq_chunks(a, chunk) for a in rows), chunk
 
 
-def chunked_sum(body: Callable[..., Array], token_arrays: tuple[Array, ...], chunk_size: int,
-                token_ndim: int) -> Array:
-    """sum over sequence chunks of `body(*chunk_of_each_token_array)`, recomputed in the backward pass.
+def chunked_sum(body: Callable[..., Array], weights: tuple[Array, ...], token_arrays: tuple[Array, ...],
+                chunk_size: int, token_ndim: int, mesh: Mesh | None = None, grad_dtype: Any = None) -> Array:
+    """sum over sequence chunks of `body(weights, *chunk_of_each_token_array)`, recomputed in the
+    backward pass.
 
     `chunk_size` positions of every sequence per chunk. `jax.checkpoint` on the body means the
     scan saves only the chunk inputs as residuals; the [rows, chunk, vocab] logits are rebuilt chunk
     by chunk when the gradient is taken. Padded positions must contribute 0 (pass a mask).
+
+    `mesh` (the batch split over its BATCH_AXES; `parallel.grad_sync.batch_mesh`): each device sums
+    its own rows, and the gradient of `weights` (the LM heads) accumulates over the chunks on each
+    device and crosses the devices once, in the dtype of the first token array (the hidden states'
+    compute dtype), instead of once per chunk in fp32 (`farskip_jax.parallel.grad_sync`).
     """
-    chunked, _ = _chunked_inputs(token_arrays, chunk_size, token_ndim)
-    body = jax.checkpoint(body)
 
-    def step(acc: Array, xs: tuple[Array, ...]) -> tuple[Array, None]:
-        return acc + body(*xs), None
+    def local(w: tuple[Array, ...], arrays: tuple[Array, ...]) -> Array:
+        chunked, _ = _chunked_inputs(arrays, chunk_size, token_ndim)
+        part = jax.checkpoint(lambda *xs: body(w, *xs))
+        return jnp.sum(jax.lax.map(lambda xs: part(*xs).astype(jnp.float32), chunked))
 
-    total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), chunked)
-    return total
+    return per_batch_shard(local, mesh, weights, token_arrays, sum_outputs=True,
+                           grad_dtype=grad_dtype)
 
 
 def chunked_map(body: Callable[..., Any], token_arrays: tuple[Array, ...], chunk_size: int,

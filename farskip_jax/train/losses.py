@@ -21,6 +21,8 @@ rematerialised body, so neither the forward nor the backward pass ever holds mor
 ``[rows, chunk, vocab]`` logits per model: at vocab 102400 a 4096-token sequence would otherwise need
 1.6 GiB of fp32 logits per model, plus as much for gradients. Logits come from ``chunking.lm_logits``
 (the compute dtype of the hidden states, fp32 accumulation) for the student and the teacher alike.
+``mesh``: the batch is split over its batch axes; each device then sums the loss of its own rows and
+the LM head's gradient crosses the devices once per call (``chunking.chunked_sum``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from farskip_jax.train.chunking import chunked_sum, lm_logits
 
@@ -115,6 +118,7 @@ def chunked_forward_kl(
     temperature: float = 1.0,
     normalizer: float | Array | None = None,
     chunk_size: int = 1024,
+    mesh: Mesh | None = None,
 ) -> tuple[Array, Metrics]:
     """``forward_kl`` from hidden states ``[..., d]`` and LM heads ``[d, vocab]``, chunked along the sequence.
 
@@ -126,11 +130,13 @@ def chunked_forward_kl(
     teacher_head = jax.lax.stop_gradient(teacher_head)
     m = mask.astype(jnp.float32)
 
-    def body(th: Array, sh: Array, mc: Array) -> Array:
-        kl = _token_kl(lm_logits(th, teacher_head), lm_logits(sh, student_head), temperature)
+    def body(heads: tuple[Array, Array], th: Array, sh: Array, mc: Array) -> Array:
+        t_head, s_head = heads
+        kl = _token_kl(lm_logits(th, t_head), lm_logits(sh, s_head), temperature)
         return jnp.sum(kl * mc)
 
-    kl_sum = chunked_sum(body, (teacher_hidden, student_hidden, m), chunk_size, m.ndim)
+    kl_sum = chunked_sum(body, (teacher_head, student_head), (teacher_hidden, student_hidden, m), chunk_size,
+                         m.ndim, mesh, student_hidden.dtype)
     return _kl_result(kl_sum, jnp.sum(m), temperature, normalizer)
 
 
@@ -216,6 +222,7 @@ def chunked_topk_kl(
     temperature: float = 1.0,
     normalizer: float | Array | None = None,
     chunk_size: int = 1024,
+    mesh: Mesh | None = None,
 ) -> tuple[Array, Metrics]:
     """``topk_kl`` from student hidden states ``[..., d]`` and head ``[d, vocab]``, chunked along the
     sequence."""
@@ -223,11 +230,12 @@ def chunked_topk_kl(
     t_ids = teacher_topk_ids.astype(jnp.int32)
     m = mask.astype(jnp.float32)
 
-    def kl_body(tl: Array, ti: Array, sh: Array, mc: Array) -> Array:
-        kl, _ = _token_topk_kl(tl, ti, lm_logits(sh, student_head), temperature)
+    def kl_body(heads: tuple[Array], tl: Array, ti: Array, sh: Array, mc: Array) -> Array:
+        kl, _ = _token_topk_kl(tl, ti, lm_logits(sh, heads[0]), temperature)
         return jnp.sum(kl * mc)
 
-    kl_sum = chunked_sum(kl_body, (t_logp, t_ids, student_hidden, m), chunk_size, m.ndim)
+    kl_sum = chunked_sum(kl_body, (student_head,), (t_logp, t_ids, student_hidden, m), chunk_size, m.ndim,
+                         mesh, student_hidden.dtype)
     # The covered mass depends only on the teacher, so it needs no chunking.
     mass_sum = jnp.sum(jnp.sum(jnp.exp(t_logp), axis=-1) * m)
     return _topk_result(kl_sum, mass_sum, jnp.sum(m), temperature, normalizer)
@@ -272,16 +280,17 @@ def chunked_cross_entropy(
     mask: Array,
     normalizer: float | Array | None = None,
     chunk_size: int = 1024,
+    mesh: Mesh | None = None,
 ) -> tuple[Array, Metrics]:
     """``cross_entropy`` from hidden states ``[..., d]`` and head ``[d, vocab]``, chunked along the
     sequence."""
     tg = targets.astype(jnp.int32)
     m = mask.astype(jnp.float32)
 
-    def body(h: Array, t: Array, mc: Array) -> Array:
-        return jnp.sum(_token_ce(lm_logits(h, head), t) * mc)
+    def body(heads: tuple[Array], h: Array, t: Array, mc: Array) -> Array:
+        return jnp.sum(_token_ce(lm_logits(h, heads[0]), t) * mc)
 
-    ce_sum = chunked_sum(body, (hidden, tg, m), chunk_size, m.ndim)
+    ce_sum = chunked_sum(body, (head,), (hidden, tg, m), chunk_size, m.ndim, mesh, hidden.dtype)
     return _ce_result(ce_sum, jnp.sum(m), normalizer)
 
 

@@ -217,7 +217,7 @@ def build_program(cfg: Config, mesh: Mesh) -> TrainProgram:
     schedule = lr_schedule(tc)
     tx = make_optimizer(tc, s_abs)
     shardings = step_shardings(s_abs, tx, mesh, tc.zero1,
-                               s_cfg.dtype if tc.zero1_gather == "compute" else None)
+                               s_cfg.dtype if tc.zero1_gather == "compute" else None, s_cfg.dtype)
     step = make_train_step(spec, s_graph, t_graph if spec.needs_teacher_model else None, tx, schedule,
                            parallel, shardings)
     return TrainProgram(cfg=cfg, mesh=mesh, parallel=parallel, spec=spec, student_cfg=s_cfg,

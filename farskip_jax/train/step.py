@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from farskip_jax.config import TrainConfig
 from farskip_jax.model.transformer import run_streams
+from farskip_jax.parallel.grad_sync import batch_mesh
 from farskip_jax.parallel.mesh import BATCH_AXES
 from farskip_jax.train import losses
 from farskip_jax.train.chunking import chunked_map, lm_logits
@@ -110,6 +111,7 @@ def _micro(spec: LossSpec, s_graph: nnx.GraphDef, s_params: nnx.State, t_graph: 
            t_params: nnx.State | None, batch: Batch, normalizer: jax.Array, aux_scale: float,
            parallel: Any) -> tuple[jax.Array, dict[str, jax.Array], _Forwards]:
     mask = token_mask(spec, batch)
+    mesh = batch_mesh(parallel)
     lockstep = spec.teacher_lockstep and spec.needs_teacher_model
     if lockstep:
         s_out, s_head, t_out, t_head = _forward_lockstep(s_graph, s_params, t_graph,
@@ -124,7 +126,7 @@ def _micro(spec: LossSpec, s_graph: nnx.GraphDef, s_params: nnx.State, t_graph: 
         if spec.cached_teacher:
             loss, lm = losses.chunked_topk_kl(batch["teacher_topk_logp"], batch["teacher_topk_ids"],
                                               s_out.hidden, s_head, mask, spec.temperature, normalizer,
-                                              spec.chunk_tokens)
+                                              spec.chunk_tokens, mesh)
             m["teacher_topk_mass_sum"] = lm["teacher_topk_mass"] * lm["num_tokens"]
         else:
             if not lockstep:
@@ -133,7 +135,7 @@ def _micro(spec: LossSpec, s_graph: nnx.GraphDef, s_params: nnx.State, t_graph: 
                     t_out, t_head = _forward(t_graph, jax.lax.stop_gradient(t_params), batch, parallel)
             m["teacher_dropped_fraction"] = _dropped(t_out)
             loss, lm = losses.chunked_forward_kl(t_out.hidden, t_head, s_out.hidden, s_head, mask,
-                                                 spec.temperature, normalizer, spec.chunk_tokens)
+                                                 spec.temperature, normalizer, spec.chunk_tokens, mesh)
             if spec.hidden_l2_weight > 0:
                 l2, l2m = losses.hidden_l2(jnp.stack(t_out.layer_outputs), jnp.stack(s_out.layer_outputs),
                                            mask, normalizer)
@@ -142,7 +144,7 @@ def _micro(spec: LossSpec, s_graph: nnx.GraphDef, s_params: nnx.State, t_graph: 
         m["kl_sum"] = lm["loss_sum"] / spec.temperature**2
     else:
         loss, lm = losses.chunked_cross_entropy(s_out.hidden, s_head, batch["targets"], mask, normalizer,
-                                                spec.chunk_tokens)
+                                                spec.chunk_tokens, mesh)
         m["ce_sum"] = lm["loss_sum"]
     if spec.aux_loss:
         aux = sum((s_out.aux[k] for k in AUX_KEYS if k in s_out.aux), zero)
@@ -170,8 +172,8 @@ class StepShardings:
     without ZeRO-1 and split over the batch devices with it (`farskip_jax.train.zero1`); `params`:
     where the state keeps the parameters between steps, the update's layout (`grads`);
     `opt_state`: the optimizer state's layout, matching `grads`; `scalar`: replicated scalars;
-    `gather`: the dtype each parameter travels in from `params` to `compute` (a tree of dtypes;
-    `farskip_jax.train.zero1.gather_dtypes`).
+    `gather`: the dtype each parameter travels in from `params` to `compute`, and `model`: the
+    dtype the model receives it in (trees of dtypes; `farskip_jax.train.zero1.gather_dtypes`).
     """
 
     params: Any
@@ -180,20 +182,22 @@ class StepShardings:
     scalar: Any
     compute: Any
     gather: Any
+    model: Any
 
     def to_compute(self, params: nnx.State) -> nnx.State:
-        """The stored parameters in the layout the model computes in. A leaf whose `gather` dtype is
-        narrower is cast to it in its stored (split) layout, all-gathered in it and cast back: the
-        model receives the values it would compute with anyway (it casts them to that dtype), and
-        the gradient is taken with respect to the widened copy, in the master dtype."""
+        """The stored parameters in the layout the model computes in, each cast to its `gather`
+        dtype in its stored (split) layout, all-gathered in it and cast to its `model` dtype. A
+        leaf whose `model` dtype is narrower than stored is one the model casts to that dtype before
+        every use, so it receives the values it would compute with anyway; the gradient is taken
+        with respect to that copy, so XLA sums it over the devices once, in that dtype
+        (`farskip_jax.train.zero1`)."""
 
-        def one(x: jax.Array, dtype: Any, stored: Any, compute: Any) -> jax.Array:
-            if dtype == x.dtype:
-                return jax.lax.with_sharding_constraint(x, compute)
-            narrow = jax.lax.with_sharding_constraint(x.astype(dtype), stored)
-            return jax.lax.with_sharding_constraint(narrow, compute).astype(x.dtype)
+        def one(x: jax.Array, travel: Any, model: Any, stored: Any, compute: Any) -> jax.Array:
+            if travel != x.dtype:
+                x = jax.lax.with_sharding_constraint(x.astype(travel), stored)
+            return jax.lax.with_sharding_constraint(x, compute).astype(model)
 
-        return jax.tree.map(one, params, self.gather, self.params, self.compute)
+        return jax.tree.map(one, params, self.gather, self.model, self.params, self.compute)
 
     @property
     def state(self) -> State:

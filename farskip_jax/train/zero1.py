@@ -10,11 +10,20 @@ split the same way; each step all-gathers them at its start (`train.step.make_tr
 forward runs under those all-gathers, and the split master weights save 7/8 of their memory).
 Routed-expert weights are already split over `expert` and keep that layout.
 
-The all-gathers move each weight in the dtype the model computes in (`model.dtype`, bf16: half the
-bytes of the fp32 masters; `train.zero1_gather`), except the few it reads in float32
-(`model.moe.FLOAT32_READS`). That changes no value: every other weight is cast to `model.dtype`
-before its first use, and the gathered copy is cast back to the master dtype, so the gradient is
-taken with respect to the same float32 values as before and keeps its precision.
+The model receives each such weight in the dtype it computes in (`model.dtype`, bf16), except
+the few it reads in float32 (`model.moe.FLOAT32_READS`), and the gradient is taken with respect to
+that copy. No value changes: every other weight is cast to `model.dtype` before its first use. The
+all-gathers move it in that dtype too (half the bytes of the fp32 masters), or as stored with
+`train.zero1_gather: param` (cast after the gather; the same training, bit for bit).
+
+The gradients come back the same way, as one bf16 reduce-scatter per weight: XLA sums a weight's
+gradient over the batch devices where it is produced, in that dtype. A gradient taken with respect
+to a float32 copy instead (each use casting it) was summed over the devices once per use, at each
+use's bf16 dot: twice per layer under `execution.batch_split: 2`, each chunk's apart. The LM head
+and the embedding, whose gradients are produced in fp32 (the head's once per loss chunk), are
+summed per batch shard first and cross the devices once, in bf16 (`farskip_jax.parallel.grad_sync`).
+Each device's gradient of a weight used more than once (the split's chunks) is summed in bf16
+before it crosses (BENCHMARKS K15).
 """
 
 from __future__ import annotations
@@ -77,10 +86,12 @@ def gather_dtypes(abstract_params: Any, compute: Any, grads: Any, dtype: str | N
 
 
 def step_shardings(abstract_params: Any, tx: optax.GradientTransformation, mesh: Mesh,
-                   zero1: bool, gather_dtype: str | None = None) -> StepShardings:
+                   zero1: bool, gather_dtype: str | None = None, compute_dtype: str | None = None
+                   ) -> StepShardings:
     """Every layout of the train step: the EP layout the model computes in, and gradients, stored
     parameters and optimizer state (ZeRO-1 split when `zero1`, else the EP layout), replicated
     scalars; `gather_dtype`: what the split weights are all-gathered in (`gather_dtypes`; None: as
+    stored); `compute_dtype`: what the model receives them in, whatever they travelled in (None: as
     stored)."""
     compute = param_shardings(abstract_params, mesh, "ep")
     grads = grad_shardings(abstract_params, compute, mesh) if zero1 else compute
@@ -91,4 +102,5 @@ def step_shardings(abstract_params: Any, tx: optax.GradientTransformation, mesh:
     opt = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, grads,
                                 transform_non_params=lambda _: replicated)
     return StepShardings(params=grads, grads=grads, opt_state=opt, scalar=replicated, compute=compute,
-                         gather=gather_dtypes(abstract_params, compute, grads, gather_dtype))
+                         gather=gather_dtypes(abstract_params, compute, grads, gather_dtype),
+                         model=gather_dtypes(abstract_params, compute, grads, compute_dtype))

@@ -4,9 +4,10 @@ loss, the teacher not being gathered): the same training, bit for bit,
 as gathering the fp32 masters (`param`), with the gathered bytes halved except the router's.
 
 Why bitwise: every weight but the router is cast to bf16 by the model before its first use, so a
-bf16-rounded copy computes the same values, and the gradient is taken with respect to that copy
-widened back to fp32, as before. The test fails if a weight the model reads in float32 is gathered
-narrow (tried: with `FLOAT32_READS = ()` the losses differ from the first step on).
+bf16-rounded copy computes the same values; both settings hand the model that bf16 copy (`param`
+casts after the gather) and take the gradient with respect to it. The test fails if a weight the
+model reads in float32 is gathered narrow (tried: with `FLOAT32_READS = ()` the losses differ from
+the first step on).
 """
 
 from __future__ import annotations
