@@ -40,6 +40,57 @@ def accounting(totals: dict[str, Any], useful: dict[str, Any] | None, peak_flops
     return out
 
 
+# A gradient reduction moves at least this much; the step's metric sums (loss, norms) move bytes.
+_GRAD_MIN_BYTES = 2**20
+
+
+def weight_sync(collectives: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A train step's weight traffic (ZeRO-1; `farskip_jax.train.zero1`): the weights' all-gathers
+    (forward, no layer role: the expert exchange's row-count gathers have one) and the gradients'
+    reductions (backward reduce-scatters and all-reduces of at least 1 MiB), each group's transfer
+    and exposed time, the gather left most exposed (a weight read before there is compute to run
+    under its gather: the embedding's, or one XLA issued late) and the last gradient reduction,
+    which by construction has only the update after it. None for a program without them
+    (inference)."""
+
+    def group(cs: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"count": sum(c["weight"] for c in cs),
+                "transfer_us": sum(c["transfer_us"] * c["weight"] for c in cs),
+                "exposed_us": sum(c["sim_exposed_us"] * c["weight"] for c in cs)}
+
+    def one(c: dict[str, Any]) -> dict[str, Any]:
+        return {"name": c["name"], "transfer_us": c["transfer_us"], "exposed_us": c["sim_exposed_us"]}
+
+    gathers = [c for c in collectives if c["kind"] == "all-gather" and c["direction"] == "fwd"
+               and c["role"] is None]
+    grads = [c for c in collectives if c["kind"] in ("reduce-scatter", "all-reduce")
+             and c["direction"] == "bwd" and c["bytes"] >= _GRAD_MIN_BYTES]
+    if not gathers and not grads:
+        return None
+    order = lambda c: c["start_index"]  # noqa: E731
+    exposed = lambda c: c["sim_exposed_us"]  # noqa: E731
+    return {"gathers": group(gathers),
+            "most_exposed_gather": one(max(gathers, key=exposed)) if gathers else None,
+            "reductions": group(grads), "last_reduction": one(max(grads, key=order)) if grads else None}
+
+
+def weight_sync_markdown(ws: dict[str, Any] | None) -> list[str]:
+    """The weight-sync sentence of a report (`weight_sync`)."""
+    if not ws:
+        return []
+
+    def part(g: dict[str, Any], what: str, edge: dict[str, Any] | None, where: str) -> str:
+        text = (f"{g['count']} {what}, {g['transfer_us'] / 1e3:.2f} ms of transfer, "
+                f"{g['exposed_us'] / 1e3:.2f} ms exposed")
+        return text + (f" (of which the {where}, {edge['name']}: {edge['exposed_us'] / 1e3:.2f} ms of "
+                       f"{edge['transfer_us'] / 1e3:.2f} ms)" if edge else "")
+
+    gathers = part(ws["gathers"], "weight all-gathers", ws["most_exposed_gather"], "most exposed")
+    grads = part(ws["reductions"], "gradient reductions", ws["last_reduction"],
+                 "last, with only the update after it")
+    return [f"Weight sync (ZeRO-1): {gathers}; {grads}.", ""]
+
+
 def build_report(analysis: Analysis, meta: dict[str, Any] | None = None,
                  memory: dict[str, Any] | None = None, useful: dict[str, Any] | None = None
                  ) -> dict[str, Any]:
@@ -52,6 +103,7 @@ def build_report(analysis: Analysis, meta: dict[str, Any] | None = None,
     rep["meta"] = meta or {}
     rep["memory"] = memory
     rep["accounting"] = accounting(analysis.totals, useful, HARDWARE[analysis.target]["peak_flops"])
+    rep["weight_sync"] = weight_sync(rep["collectives"])
     return rep
 
 
@@ -145,6 +197,7 @@ def markdown(report: dict[str, Any], max_rows: int = 200) -> str:
              *[x for line in accounting_markdown(report.get("accounting")) for x in (line, "")],
              *memory_markdown(report.get("memory")), "",
              *_remat_auto_markdown(report.get("meta", {}).get("remat_auto")),
+             *weight_sync_markdown(report.get("weight_sync")),
              "Direction: backward = reads a value computed from the loss's cotangent (data flow over the "
              "scheduled HLO), so XLA's nameless gradient all-reduces count as backward; "
              "'bwd*' = a forward collective recomputed by jax.checkpoint inside the backward.", "",

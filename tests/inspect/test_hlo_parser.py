@@ -375,3 +375,30 @@ def test_partitioned_kernels_without_tokamax_payload_are_priced() -> None:
     assert flops["dw"] == {"grouped_gemm": 2 * 12288 * 2048 * 1408}
     dots = hlo.analyze(text, "h200").totals["dot_flops"]["by_kind"]
     assert dots["attention_kernel"] == pytest.approx(4 * qk + 4 * pv)
+
+
+def _record(name: str, kind: str, direction: str, start: int, mib: float, transfer: float, exposed: float,
+            role: str | None = None, weight: int = 1) -> dict:
+    return {"name": name, "kind": kind, "direction": direction, "start_index": start, "bytes": mib * 2**20,
+            "transfer_us": transfer, "sim_exposed_us": exposed, "role": role, "weight": weight}
+
+
+def test_weight_sync_groups_zero1_traffic_and_names_what_cannot_hide() -> None:
+    """The weights' gathers (no layer role) and the gradients' reductions (backward, >= 1 MiB)
+    are summed apart; the row-count gathers of the expert exchange, the exchanges themselves and
+    the metric sums are not theirs; the most exposed gather and the last reduction are named."""
+    recs = [_record("ag.emb", "all-gather", "fwd", 1, 400, 800, 790),
+            _record("ag.attn", "all-gather", "fwd", 2, 40, 90, 10),
+            _record("ag.counts", "all-gather", "fwd", 3, 0.01, 5, 5, role="dispatch"),
+            _record("a2a", "ragged-all-to-all", "fwd", 4, 12, 30, 20, role="dispatch"),
+            _record("rs.layers", "reduce-scatter", "bwd", 5, 30, 400, 100, weight=2),
+            _record("rs.head", "reduce-scatter", "bwd", 6, 50, 800, 700),
+            _record("ar.loss", "all-reduce", "bwd", 7, 0.0, 5, 5)]
+    ws = report.weight_sync(recs)
+    assert ws["gathers"] == {"count": 2, "transfer_us": 890, "exposed_us": 800}
+    assert ws["reductions"] == {"count": 3, "transfer_us": 1600, "exposed_us": 900}
+    assert ws["most_exposed_gather"]["name"] == "ag.emb"
+    assert ws["last_reduction"] == {"name": "rs.head", "transfer_us": 800, "exposed_us": 700}
+    text = report.weight_sync_markdown(ws)[0]
+    assert "2 weight all-gathers, 0.89 ms of transfer, 0.80 ms exposed" in text and "rs.head: 0.70 ms" in text
+    assert report.weight_sync([r for r in recs if r["kind"] == "ragged-all-to-all"]) is None
