@@ -40,18 +40,19 @@ def accounting(totals: dict[str, Any], useful: dict[str, Any] | None, peak_flops
     return out
 
 
-# A gradient reduction moves at least this much; the step's metric sums (loss, norms) move bytes.
-_GRAD_MIN_BYTES = 2**20
+# A weight's all-gather or gradient reduction moves at least this much; the expert exchange's
+# row-count gathers and the step's metric sums (loss, norms) move bytes to kilobytes.
+_WEIGHT_MIN_BYTES = 2**20
 
 
 def weight_sync(collectives: list[dict[str, Any]]) -> dict[str, Any] | None:
     """A train step's weight traffic (ZeRO-1; `farskip_jax.train.zero1`): the weights' all-gathers
-    (forward, no layer role: the expert exchange's row-count gathers have one) and the gradients'
-    reductions (backward reduce-scatters and all-reduces of at least 1 MiB), each group's transfer
-    and exposed time, the gather left most exposed (a weight read before there is compute to run
-    under its gather: the embedding's, or one XLA issued late) and the last gradient reduction,
-    which by construction has only the update after it. None for a program without them
-    (inference)."""
+    (forward) and the gradients' reductions (backward reduce-scatters and all-reduces), each of at
+    least 1 MiB, whatever role XLA's combiner left them (a weight gather combined with a layer's
+    row-count gather carries the Dispatch's name); each group's transfer and exposed time, the
+    gather left most exposed (a weight read before there is compute to run under its gather: the
+    embedding's, or one XLA issued late) and the last gradient reduction, which by construction has
+    only the update after it. None for a program without them (inference)."""
 
     def group(cs: list[dict[str, Any]]) -> dict[str, Any]:
         return {"count": sum(c["weight"] for c in cs),
@@ -62,9 +63,9 @@ def weight_sync(collectives: list[dict[str, Any]]) -> dict[str, Any] | None:
         return {"name": c["name"], "transfer_us": c["transfer_us"], "exposed_us": c["sim_exposed_us"]}
 
     gathers = [c for c in collectives if c["kind"] == "all-gather" and c["direction"] == "fwd"
-               and c["role"] is None]
+               and c["bytes"] >= _WEIGHT_MIN_BYTES]
     grads = [c for c in collectives if c["kind"] in ("reduce-scatter", "all-reduce")
-             and c["direction"] == "bwd" and c["bytes"] >= _GRAD_MIN_BYTES]
+             and c["direction"] == "bwd" and c["bytes"] >= _WEIGHT_MIN_BYTES]
     if not gathers and not grads:
         return None
     order = lambda c: c["start_index"]  # noqa: E731

@@ -384,11 +384,12 @@ def _record(name: str, kind: str, direction: str, start: int, mib: float, transf
 
 
 def test_weight_sync_groups_zero1_traffic_and_names_what_cannot_hide() -> None:
-    """The weights' gathers (no layer role) and the gradients' reductions (backward, >= 1 MiB)
-    are summed apart; the row-count gathers of the expert exchange, the exchanges themselves and
-    the metric sums are not theirs; the most exposed gather and the last reduction are named."""
+    """The weights' gathers (forward) and the gradients' reductions (backward), >= 1 MiB, are
+    summed apart, a weight gather that XLA combined with a Dispatch's row counts included; the
+    row-count gathers alone, the exchanges themselves and the metric sums are not theirs; the most
+    exposed gather and the last reduction are named."""
     recs = [_record("ag.emb", "all-gather", "fwd", 1, 400, 800, 790),
-            _record("ag.attn", "all-gather", "fwd", 2, 40, 90, 10),
+            _record("ag.attn+counts", "all-gather", "fwd", 2, 40, 90, 10, role="dispatch"),
             _record("ag.counts", "all-gather", "fwd", 3, 0.01, 5, 5, role="dispatch"),
             _record("a2a", "ragged-all-to-all", "fwd", 4, 12, 30, 20, role="dispatch"),
             _record("rs.layers", "reduce-scatter", "bwd", 5, 30, 400, 100, weight=2),
