@@ -1,19 +1,19 @@
 """Gradients of replicated weights summed over the batch devices once, in the compute dtype.
 
 Under jit, XLA's partitioner sums a replicated weight's gradient over the batch devices at the op
-that produces it, in that op's output dtype. For most weights that is one bf16 dot per use. Two
-weights were different (BENCHMARKS K15):
+that produces it, in that op's output dtype: for most weights the bf16 dot of each use (with the
+model's bf16 copy of the weight, `train.step.StepShardings.to_compute`, the uses add up first).
+Two weights were different (BENCHMARKS K15):
 
 - the LM head: its gradient comes from one dot per loss chunk (`train.chunking.chunked_sum`),
   whose output is fp32 (the logits accumulate in fp32), so each step reduce-scattered it once per
   chunk, in fp32: 4 x 4 bytes per parameter where one sum in bf16 moves 2;
 - the embedding: its gradient is a scatter-add into fp32, reduce-scattered in fp32.
 
-On DeepSeek-V3 at EP64 those two were 17.6 of the step's 19.3 GiB of gradient traffic per GPU.
-`per_batch_shard` computes such a function on each device's own tokens (a shard_map over the
-batch axes), lets every partial gradient of its weights accumulate locally in the precision it is
-computed in, and sums it over the devices once, in `grad_dtype`, when the backward pass leaves the
-shard_map: the same reduction every other weight gets, at its dtype and count.
+On the DeepSeek-V3 EP64 slice those two were 17.0 of the step's 18.8 GiB of gradient traffic per
+GPU. `per_batch_shard` computes such a function on each device's own tokens (a shard_map over the
+batch axes), lets the partial gradients of its weights accumulate on each device in float32, and
+sums them over the devices once, in `grad_dtype`, when the backward pass leaves the shard_map.
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ def per_batch_shard(fn: Callable[..., Any], mesh: Mesh | None, weights: tuple[ja
                     tokens: tuple[jax.Array, ...], *, sum_outputs: bool, grad_dtype: Any) -> Any:
     """`fn(weights, tokens)` with each device computing on its own rows of `tokens` (leading axis
     split over BATCH_AXES) and the whole, replicated `weights`; the weights' gradient is summed over
-    the devices once, in `grad_dtype`. `sum_outputs`: the outputs are per-device sums (of a loss)
-    and come back summed over the devices, replicated; otherwise they are per-token and keep the
-    tokens' layout. `mesh` None (one device): `fn` as it is.
+    the devices once, in `grad_dtype` (None: each weight's own dtype). `sum_outputs`: the outputs
+    are per-device sums (of a loss) and come back summed over the devices, replicated; otherwise
+    they are per-token and keep the tokens' layout. `mesh` None (one device): `fn` as it is.
 
     `fn` must read each weight only in `grad_dtype` or wider-then-cast-to-it (as the model reads its
     fp32 masters in the compute dtype): each weight enters the shard_map cast to `grad_dtype`, so
@@ -76,7 +76,8 @@ def per_batch_shard(fn: Callable[..., Any], mesh: Mesh | None, weights: tuple[ja
     if mesh is None:
         return fn(weights, tokens)
     dtypes = tuple(jnp.promote_types(w.dtype, jnp.float32) for w in weights)
-    narrow = tuple(w.astype(grad_dtype) if jnp.dtype(grad_dtype).itemsize < w.dtype.itemsize else w
+    narrow = tuple(w.astype(grad_dtype)
+                   if grad_dtype is not None and jnp.dtype(grad_dtype).itemsize < w.dtype.itemsize else w
                    for w in weights)
 
     def local(w: tuple[jax.Array, ...], t: tuple[jax.Array, ...]) -> Any:
