@@ -194,10 +194,12 @@ class Transformer(nnx.Module):
         routed_fn = parallel.routed_fn if parallel is not None else local_routed
         reduce = parallel.reduce if parallel is not None else None
 
-        # On each device's own tokens: the embedding's gradient (a scatter-add in fp32) is summed over
-        # the batch devices once, in `dt`, like every other weight's (parallel/grad_sync.py).
+        # On each device's own tokens: the embedding's gradient (a scatter-add, in fp32: a frequent
+        # token's row collects thousands of contributions) is summed over the batch devices once, in
+        # `dt`, like every other weight's (parallel/grad_sync.py).
         x = per_batch_shard(lambda w, ids: jnp.take(w[0], ids[0], axis=0).astype(dt), batch_mesh(parallel),
-                            (self.embed[...],), (input_ids,), sum_outputs=False, grad_dtype=dt)
+                            (self.embed[...],), (input_ids,), sum_outputs=False, grad_dtype=dt,
+                            local_dtype=jnp.float32)
         y = None
         # Tensor-parallel token chunks: the stream is carried as a list of chunks through every layer,
         # so that a chunk's next layer reads only its own psums (farskip.residual_step_chunks).

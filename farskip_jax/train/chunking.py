@@ -69,10 +69,9 @@ def chunked_sum(body: Callable[..., Array], weights: tuple[Array, ...], token_ar
     by chunk when the gradient is taken. Padded positions must contribute 0 (pass a mask).
 
     `mesh` (the batch split over its BATCH_AXES; `parallel.grad_sync.batch_mesh`): each device sums
-    its own rows, and the gradient of `weights` (the LM heads) accumulates over the chunks on each
-    device in float32 and crosses the devices once, in `grad_dtype` (the hidden states' compute
-    dtype; None: the weights' own), instead of once per chunk in fp32
-    (`farskip_jax.parallel.grad_sync`).
+    its own rows, and the gradient of `weights` (the LM heads) adds up over the chunks on each
+    device in `grad_dtype` (the hidden states' compute dtype; None: the weights' own) and crosses
+    the devices once, in it, instead of once per chunk in fp32 (`farskip_jax.parallel.grad_sync`).
     """
 
     def local(w: tuple[Array, ...], arrays: tuple[Array, ...]) -> Array:
