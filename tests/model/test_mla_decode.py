@@ -4,6 +4,7 @@ and MI300X, the only reader of the latent cache (where the reference reads it tw
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -68,18 +69,25 @@ def test_model_decode_through_the_kernel_equals_the_einsums(monkeypatch):
     prompt = 4
 
     def run() -> np.ndarray:
+        # jitted per run, so that each run traces the attention it is patched to: op by op, the
+        # interpreted kernel took ~20 s
+        @functools.partial(nnx.jit, static_argnames="prefill")
+        def step(m, tokens, positions, caches, prefill):
+            decode_traces.extend([] if prefill else [1])
+            hidden, caches, _ = m.cached_forward(tokens, positions, caches, prefill=prefill)
+            return m.logits(hidden), caches
+
         caches = tuple(LatentCache.empty(cfg, 2, 16, jnp.float32) for _ in range(cfg.num_layers))
-        hidden, caches, _ = model.cached_forward(ids[:, :prompt], jnp.arange(prompt)[None].repeat(2, 0),
-                                                 caches, prefill=True)
-        out = [model.logits(hidden)]
+        logits, caches = step(model, ids[:, :prompt], jnp.arange(prompt)[None].repeat(2, 0), caches, True)
+        out = [logits]
         for i in range(prompt, ids.shape[1]):
-            hidden, caches, _ = model.cached_forward(ids[:, i:i + 1], jnp.full((2, 1), i, jnp.int32),
-                                                     caches, prefill=False)
-            out.append(model.logits(hidden))
+            logits, caches = step(model, ids[:, i:i + 1], jnp.full((2, 1), i, jnp.int32), caches, False)
+            out.append(logits)
         return np.asarray(jnp.concatenate(out, axis=1))
 
+    decode_traces = []
     plain = run()
-    calls = []
+    calls, decode_traces[:] = [], []
     interpreted = mla_decode.latent_attention
 
     def kernel(*args, **kw):
@@ -89,7 +97,8 @@ def test_model_decode_through_the_kernel_equals_the_einsums(monkeypatch):
     monkeypatch.setattr(attention, "decode_kernel_family", lambda *a: "cuda")
     monkeypatch.setattr(mla_decode, "latent_attention", kernel)
     forced = run()
-    assert len(calls) == 3 * cfg.num_layers  # every decode step of every layer took the kernel
+    # every layer of every traced decode step took the kernel (the 3 steps run what was traced)
+    assert decode_traces and len(calls) == len(decode_traces) * cfg.num_layers
     np.testing.assert_allclose(forced, plain, rtol=1e-5, atol=1e-5)
 
 

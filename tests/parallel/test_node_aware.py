@@ -188,8 +188,11 @@ def model_reference(request, model_data):
 
 
 MODEL_CASES = ["ep8_2x4-padded", "ep8_4x2-ragged", "dp2xep4_2x2-ragged"]
-# `slow` (CI time budget): regular keeps the data x expert mesh, FarSkip the two EP8 factorings.
-SLOW_CASES = {"regular-ep8_2x4-padded", "regular-ep8_4x2-ragged", "farskip-dp2xep4_2x2-ragged"}
+# `slow` (CI time budget): the whole model with regular connectivity keeps the data x expert mesh,
+# with FarSkip the two EP8 factorings; the routed experts under random routing keep each mesh once
+# and both exchanges (under one-rank routing every mesh and exchange stays in the default suite).
+SLOW_CASES = {"regular-ep8_2x4-padded", "regular-ep8_4x2-ragged", "farskip-dp2xep4_2x2-ragged",
+              "ep8_4x2-padded-random", "dp2xep4_2x2-padded-random", "ep8_2x4-ragged-random"}
 
 
 @pytest.mark.parametrize("case", MODEL_CASES)
