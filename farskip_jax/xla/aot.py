@@ -29,6 +29,11 @@ from farskip_jax import platforms, targets
 from farskip_jax.xla import flags as xla_flags
 
 GPUS_PER_HOST = 8
+# Compile-only: XLA's autotuner has no GPU to time its candidates on, yet it still compiles them.
+# Level 0 takes the default configurations, and the scheduled HLO is the same (backend_config
+# aside): measured on the production-path 3-layer DSV2-Lite step, H200 compile 35.3 -> 25.2 s,
+# MI300X 16.8 -> 9.9 s. Deviceless targets only: on a device the trainer's compiles autotune.
+DEVICELESS_OPTIONS: dict[str, Any] = {"xla_gpu_autotune_level": 0}
 
 
 def topology_string(num_devices: int) -> str:
@@ -164,12 +169,15 @@ def compile_scheduled_hlo(jitted_fn: Any, *arg_specs: Any, target: str,
     """Lower ``jitted_fn`` on ``arg_specs`` (ShapeDtypeStructs with NamedShardings on a target mesh)
     and compile; returns the scheduled HLO text and timings.
 
-    ``default_options`` adds ``xla_flags.compiler_options_for(target)``; ``compiler_options`` wins
-    over those. ``dump_lhs_schedule`` also asks XLA for its latency-hiding-scheduler dump. Both
-    ``xla_dump_to`` and ``xla_dump_latency_hiding_schedule`` work as per-compile options (checked:
-    the dump appears without touching XLA_FLAGS), so several compiles in one process are fine.
+    ``default_options`` adds ``xla_flags.compiler_options_for(target)`` (and, for a deviceless
+    target, ``DEVICELESS_OPTIONS``); ``compiler_options`` wins over those. ``dump_lhs_schedule``
+    also asks XLA for its latency-hiding-scheduler dump. Both ``xla_dump_to`` and
+    ``xla_dump_latency_hiding_schedule`` work as per-compile options (checked: the dump appears
+    without touching XLA_FLAGS), so several compiles in one process are fine.
     """
     opts: dict[str, Any] = dict(xla_flags.compiler_options_for(target)) if default_options else {}
+    if default_options and target != "local":
+        opts.update(DEVICELESS_OPTIONS)
     opts.update(compiler_options or {})
     tmp = None
     if dump_lhs_schedule:

@@ -78,7 +78,8 @@ def test_run_inspect_cli(mesh: jax.sharding.Mesh, tmp_path: Path) -> None:
     assert cmp["speedup_est"] > 1.0
     trace = json.loads((tmp_path / "report_overlap.trace.json").read_text())
     assert any(e.get("tid") == 2 and e["ph"] == "X" for e in trace["traceEvents"])
-    assert reps["overlap"]["meta"]["compiler_options"] == {"xla_gpu_enable_latency_hiding_scheduler": True}
+    assert reps["overlap"]["meta"]["compiler_options"] == {"xla_gpu_enable_latency_hiding_scheduler": True,
+                                                          "xla_gpu_autotune_level": 0}
     # scheduled HLO written by default, gzip-compressed; the memory section in every report
     with gzip.open(tmp_path / "scheduled_overlap.hlo.txt.gz", "rt") as f:
         assert "is_scheduled=true" in f.read(2000)
