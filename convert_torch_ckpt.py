@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="threads reading ahead (and with --to-hf: restoring and writing tensors) at once, "
                         f"default {DEFAULT_WORKERS}; host memory grows by about one largest group per "
                         "worker (docs/checkpoints-and-families.md), the output does not change")
+    p.add_argument("--buffered-writes", action="store_true",
+                   help="with --to-hf: write the shards through the page cache; by default they are "
+                        "written with direct I/O (O_DIRECT) where the file system takes it, which spares "
+                        "the CPU the page cache's copies (BENCHMARKS.md section 5); the files are the same")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -101,8 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.mesh or args.compress:
             raise UserError("--mesh and --compress apply to HF -> Orbax only; drop them with --to-hf")
         convert_orbax_to_hf(args.input, args.output, max_shard_size=args.max_shard_size, resume=args.resume,
-                            fp8=args.fp8, **common)
+                            fp8=args.fp8, direct_io=not args.buffered_writes, **common)
     else:
+        if args.buffered_writes:
+            raise UserError("--buffered-writes applies to --to-hf only: Orbax writes its own files "
+                            "(through TensorStore, buffered)")
         if args.fp8:
             raise UserError("--fp8 applies to --to-hf; an FP8 HF checkpoint is dequantized on the way in "
                             "by itself (config.json quantization_config)")

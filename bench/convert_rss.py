@@ -1,10 +1,11 @@
 """Throughput against the disk, and host memory, of convert_torch_ckpt.py on a multi-GB checkpoint.
 
 Builds a DeepSeek-V2-Lite-shaped HF checkpoint with fewer layers (random bf16, sharded safetensors,
-legacy `rope_scaling` config), then converts it HF -> Orbax and back (`--max-shard-size 1GB`), each
-direction `--rounds` times in child processes, after one untimed conversion that gives the output's
-file layout. Around and between a direction's rounds the disk is measured on the same file system,
-so that every conversion has measurements on both sides:
+legacy `rope_scaling` config), then converts it HF -> Orbax and back (`--max-shard-size 1GB`; back
+twice: with the export's default direct I/O and with `--buffered-writes`), each direction `--rounds`
+times in child processes, after one untimed conversion that gives the output's file layout. Around
+and between a direction's rounds the disk is measured on the same file system, so that every
+conversion has measurements on both sides:
 
   disk    the disk's sequential write: the very files the converter wrote (the same number, the same
           sizes: HF -> Orbax's OCDBT data files and metadata, Orbax -> HF's shards and JSON), written
@@ -289,11 +290,14 @@ def _bench(a: argparse.Namespace, work: Path) -> int:
                   "--no-progress", "--workers", str(a.workers),
                   "--max-shard-size", SHARD_SIZE],
     }
-    labels = {"to_orbax": "HF -> Orbax", "to_hf": "Orbax -> HF"}
+    # The export again through the page cache (its default is direct I/O where the file system
+    # takes it): both ways in the same run.
+    commands["to_hf_buffered"] = [*commands["to_hf"], "--buffered-writes"]
+    labels = {"to_orbax": "HF -> Orbax", "to_hf": "Orbax -> HF", "to_hf_buffered": "Orbax -> HF, buffered"}
     report: dict = {"total_bytes": total, "largest_group": largest, "workers": a.workers,
                     "baseline": {k: base[k] for k in ("rss", "anon")}, "directions": {}}
     failed = False
-    for d in ("to_orbax", "to_hf"):
+    for d in commands:
         out = orbax if d == "to_orbax" else back
         # Orbax saves one group at a time (one data file written at once); the export writes with
         # --workers threads.
@@ -302,6 +306,7 @@ def _bench(a: argparse.Namespace, work: Path) -> int:
         print(f"{labels[d]}: load average {os.getloadavg()[0]:.1f}")
         # A first, untimed conversion: the output's file layout for the disk measurements, and every
         # timed round starts from the same state (code and input in the page cache).
+        shutil.rmtree(out, ignore_errors=True)  # the export's output of the row before
         if (warm := run_child(commands[d]))["rc"]:
             print(f"  {labels[d]}: FAILED rc={warm['rc']}\n{warm['stdout']}")
             return 1
@@ -334,7 +339,7 @@ def _bench(a: argparse.Namespace, work: Path) -> int:
                 par.append(rate)
                 print(f"  plain ({threads} threads, the same files): {rate:.3f} GB/s, {cpu:.1f} CPU s",
                       flush=True)
-        bound = memory_bound(d, largest, a.workers) / MiB
+        bound = memory_bound(d.removesuffix("_buffered"), largest, a.workers) / MiB
         report["directions"][d] = {"disk": disk, "disk_cpu": cpus, "device": device, "plain_parallel": par,
                                    "runs": runs,
                                    "bound": bound, "files": len(sizes), "threads": threads}

@@ -117,6 +117,9 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
 # Rows of a large tensor are read, converted and written this many bytes at a time, so a reader or
 # writer thread holds one block besides the group it works on, whatever the tensor's size.
 BLOCK_BYTES = 64 * 2**20
+# With direct I/O, bytes that are not in a writer's aligned staging buffer go to the disk through
+# this much of another aligned buffer of the writer's at a time (safetensors_shards).
+COPY_BYTES = 8 * 2**20
 
 
 def row_ranges(shape: tuple[int, ...], itemsize: int, max_bytes: int | None = None,

@@ -394,14 +394,15 @@ def memory_bound(direction: str, largest_group: int, workers: int = DEFAULT_WORK
     "to_hf" (Orbax -> HF): 2 x workers + 1 largest groups: at most workers + 1 groups restored or
     with tensors still being written, `workers` of them being restored through TensorStore's read
     buffers (a second copy while restoring), plus one row block per writer (with `fp8`, the
-    quantizer's float32 temporaries: about 4 blocks).
+    quantizer's float32 temporaries: about 4 blocks) and its direct-I/O copy buffer.
     Both plus `MEMORY_SLACK`. bench/convert_rss.py measures the peak against it."""
     from farskip_jax.checkpoint import common
 
     if direction == "to_orbax":
         held = (workers + 2) * largest_group + workers * common.BLOCK_BYTES
     elif direction == "to_hf":
-        held = (2 * workers + 1) * largest_group + workers * (4 if fp8 else 1) * common.BLOCK_BYTES
+        held = ((2 * workers + 1) * largest_group
+                + workers * ((4 if fp8 else 1) * common.BLOCK_BYTES + common.COPY_BYTES))
     else:
         raise ValueError(f"direction {direction!r}: 'to_orbax' or 'to_hf'")
     return held + MEMORY_SLACK

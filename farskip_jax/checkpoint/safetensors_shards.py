@@ -13,11 +13,25 @@ Its own module because it is the safetensors file format and its crash-safety, w
 the model, of Orbax or of the export's dtype and FP8 choices (those stay in `to_hf`, which decides
 what the planned tensors are and feeds them in); it depends only on `common`, `hf_io` and
 `output_dir`, and imports neither converter.
+
+Direct I/O: a shard is written past the page cache (O_DIRECT) where the file system takes it. On the
+VM we measured, a buffered export spent two thirds of its CPU in the kernel, copying into the page
+cache and faulting in fresh pages for it (BENCHMARKS.md 5); through O_DIRECT the disk reads the
+bytes from our buffers. O_DIRECT wants offsets, lengths and buffer addresses in whole blocks (`ALIGN`), and
+safetensors packs tensors with no padding, so each write is cut in three: its block-aligned middle
+goes to the disk at once (straight from the caller's buffer when its address has the alignment of
+its place in the file, as `staging` buffers do; otherwise copied through a small aligned buffer),
+and its unaligned head and tail, each inside one block that a neighbouring tensor shares, are
+gathered in memory until the block is whole. The last block is written padded and the file cut to
+its size on close.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import mmap
 import os
 import struct
 import threading
@@ -26,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from farskip_jax.checkpoint import common
 from farskip_jax.checkpoint.common import copy_into, pwrite_all
 from farskip_jax.checkpoint.hf_io import CheckpointError, np_dtype
 from farskip_jax.checkpoint.output_dir import SHARDS_DONE, pause_for_tests
@@ -66,18 +81,66 @@ def shard_header(entries: list[Entry]) -> tuple[bytes, dict[str, int]]:
     return struct.pack("<Q", len(raw)) + raw, {k: start + header[k]["data_offsets"][0] for k, *_ in entries}
 
 
+# O_DIRECT's unit: offsets, lengths and buffer addresses are multiples of it. 4 KiB is the logical
+# block of the disks we write to (and a multiple of the old 512-byte one); some file systems (Lustre)
+# want whole pages, which are larger on some aarch64 kernels.
+ALIGN = max(4096, mmap.PAGESIZE)
+
+_thread = threading.local()
+
+
+def _aligned(nbytes: int) -> np.ndarray:
+    """`nbytes` of fresh page-aligned memory (an anonymous mapping)."""
+    return np.frombuffer(mmap.mmap(-1, max(ALIGN, -(-nbytes // ALIGN) * ALIGN)), np.uint8)
+
+
+def _thread_buffer(name: str, nbytes: int) -> np.ndarray:
+    """This thread's page-aligned buffer `name`, at least `nbytes`: kept and reused, so its pages are
+    faulted in once (fresh memory is slow on the VMs we measured, BENCHMARKS.md 5)."""
+    buf = getattr(_thread, name, None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _aligned(nbytes)
+        setattr(_thread, name, buf)
+    return buf
+
+
+def staging(offset: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An array of `shape` and `dtype` in this thread's staging buffer, placed so that its address has
+    the alignment of file offset `offset`: filled and passed to `ShardFile.write` at that offset, its
+    block-aligned middle goes to the disk without a copy. Valid until this thread's next call."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    start = offset % ALIGN
+    buf = _thread_buffer("staging", start + max(n, common.BLOCK_BYTES))
+    return buf[start:start + n].view(dtype).reshape(shape)
+
+
 class ShardFile:
     """One safetensors file of planned tensors, written by position: its header is fixed by the plan,
     so every tensor (or any block of its rows) can be written as soon as it exists, by any thread,
-    in any order; the bytes are the same whatever the order."""
+    in any order; the bytes are the same whatever the order. `direct`: through O_DIRECT where the
+    file system takes it (see the module's docstring), else through the page cache."""
 
-    def __init__(self, path: Path, entries: list[Entry]):
+    def __init__(self, path: Path, entries: list[Entry], direct: bool = False):
         self.path = path
         self.entries = {k: (tuple(shape), np_dtype(dt)) for k, shape, dt in entries}
         head, self.offsets = shard_header(entries)
         self.size = len(head) + shard_bytes(entries)
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        pwrite_all(self.fd, np.frombuffer(head, np.uint8), 0)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        self.direct = direct and hasattr(os, "O_DIRECT")
+        if self.direct:
+            try:
+                self.fd = os.open(path, flags | os.O_DIRECT, 0o644)
+            except OSError as e:  # e.g. a file system without direct I/O
+                if e.errno != errno.EINVAL:
+                    raise
+                self.direct = False
+        if not self.direct:
+            self.fd = os.open(path, flags, 0o644)
+        # The blocks that unaligned heads and tails of writes share, while not yet whole:
+        # block index -> (its bytes, how many of them are written).
+        self._blocks: dict[int, tuple[np.ndarray, int]] = {}
+        self._lock = threading.Lock()
+        self._write_at(np.frombuffer(head, np.uint8), 0)
 
     def write(self, key: str, data: np.ndarray, first_row: int = 0) -> None:
         """Writes `data`, rows [first_row, first_row + len(data)) of tensor `key` in its planned
@@ -88,11 +151,74 @@ class ShardFile:
         if not (fits and data.dtype == dtype and data.flags.c_contiguous):
             raise CheckpointError(f"{self.path.name}: got {key} rows {first_row}.. {data.shape} "
                                   f"{data.dtype}, planned {shape} {dtype}")
+        self._write_at(data.reshape(-1).view(np.uint8), self.offset(key, first_row))
+
+    def offset(self, key: str, first_row: int = 0) -> int:
+        """The file offset of row `first_row` of tensor `key`."""
+        shape, dtype = self.entries[key]
         row = int(np.prod(shape[1:])) * dtype.itemsize if shape else 0
-        pwrite_all(self.fd, data, self.offsets[key] + first_row * row)
+        return self.offsets[key] + first_row * row
+
+    def _write_at(self, data: np.ndarray, offset: int) -> None:
+        if not self.direct:
+            pwrite_all(self.fd, data, offset)
+            return
+        end = offset + data.nbytes
+        lo = min(end, -(-offset // ALIGN) * ALIGN)  # the whole blocks [lo, hi)
+        hi = max(lo, end // ALIGN * ALIGN)
+        if lo > offset:
+            self._add_to_block(offset, data[:lo - offset])
+        if hi > lo:
+            middle = data[lo - offset:hi - offset]
+            if middle.ctypes.data % ALIGN == 0:
+                self._pwrite_direct(middle, lo)
+            else:
+                step = common.COPY_BYTES
+                copy = _thread_buffer("copy", step)
+                for start in range(0, middle.nbytes, step):
+                    piece = middle[start:start + step]
+                    copy[:piece.nbytes] = piece
+                    self._pwrite_direct(copy[:piece.nbytes], lo + start)
+        if end > hi:
+            self._add_to_block(hi, data[hi - offset:])
+
+    def _pwrite_direct(self, data: np.ndarray, offset: int) -> None:
+        """Whole blocks at a block offset. A file system that took O_DIRECT at open but refuses the
+        write (EINVAL: an alignment it wants larger) gets the rest of the file through the page
+        cache: the same descriptor number, reopened without O_DIRECT; the blocks stay as they are."""
+        try:
+            pwrite_all(self.fd, data, offset)
+            return
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+        with self._lock:
+            if os.O_DIRECT & fcntl.fcntl(self.fd, fcntl.F_GETFL):
+                buffered = os.open(self.path, os.O_WRONLY)
+                os.dup2(buffered, self.fd)  # atomic for the other writer threads
+                os.close(buffered)
+        pwrite_all(self.fd, data, offset)
+
+    def _add_to_block(self, offset: int, piece: np.ndarray) -> None:
+        """Bytes at `offset` inside one block: gathered until the block is whole, then written."""
+        i, at = divmod(offset, ALIGN)
+        whole = min(ALIGN, self.size - i * ALIGN)  # the file's last block is shorter
+        with self._lock:
+            block, filled = self._blocks.pop(i, None) or (_aligned(ALIGN), 0)
+            block[at:at + piece.nbytes] = piece
+            filled += piece.nbytes
+            if filled < whole:
+                self._blocks[i] = (block, filled)
+                return
+        self._pwrite_direct(block, i * ALIGN)  # the last block padded: cut to size on close
 
     def close(self) -> None:
         """fdatasync, then close: the file is complete on disk."""
+        if self._blocks:
+            raise CheckpointError(f"internal error: {self.path.name}: blocks {sorted(self._blocks)[:3]} "
+                                  "not whole at close")
+        if self.direct and self.size % ALIGN:
+            os.ftruncate(self.fd, self.size)
         os.fdatasync(self.fd)
         os.close(self.fd)
 
@@ -146,8 +272,14 @@ class ShardSet:
     is opened at its first tensor, and synced, closed and listed in SHARDS_DONE (synced too) when its
     last planned tensor is written, so a listed shard is complete whatever stops the export."""
 
-    def __init__(self, tmp: Path, names: list[str], shards: list[list[Entry]], done: set[int]):
-        self.tmp, self.names, self.shards = tmp, names, shards
+    def __init__(self, tmp: Path, names: list[str], shards: list[list[Entry]], done: set[int],
+                 direct: bool = True):
+        self.tmp, self.names, self.shards, self.direct = tmp, names, shards, direct
+        self._row_at: dict[str, tuple[int, int]] = {}  # key -> (file offset, bytes per row)
+        for shard in shards:
+            offsets = shard_header(shard)[1]
+            for key, shape, dtype in shard:
+                self._row_at[key] = (offsets[key], entry_bytes((key, shape[1:], dtype)) if shape else 0)
         self.shard_of = {k: i for i, sh in enumerate(shards) for k, *_ in sh}
         self.left = {i: len(sh) for i, sh in enumerate(shards) if i not in done}
         self.done = set(done)
@@ -158,11 +290,17 @@ class ShardSet:
     def is_done(self, key: str) -> bool:
         return self.shard_of[key] in self.done
 
+    def staging(self, key: str, first_row: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """A buffer for rows of `key` from `first_row` on, to fill and pass to `file(key).write`:
+        with direct I/O, written from where it is (module `staging`)."""
+        offset, row = self._row_at[key]
+        return staging(offset + first_row * row, shape, dtype)
+
     def file(self, key: str) -> ShardFile:
         i = self.shard_of[key]
         with self._lock:
             if i not in self.files:
-                self.files[i] = ShardFile(self.tmp / self.names[i], self.shards[i])
+                self.files[i] = ShardFile(self.tmp / self.names[i], self.shards[i], self.direct)
             return self.files[i]
 
     def finished(self, key: str) -> None:

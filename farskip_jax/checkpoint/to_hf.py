@@ -235,23 +235,15 @@ def with_fp8(entries: list[tuple[str, tuple[int, ...]]], out_dtype: str,
 
 class TensorWriter:
     """Writes one HF tensor into its shard in row blocks of `common.BLOCK_BYTES`: cast to the export dtype
-    or FP8-quantized block by block into a buffer each writer thread reuses, so a writer holds one
-    block (an FP8 block's quantizer temporaries: about 4 blocks) whatever the tensor's size. A tensor
-    already C-contiguous in the export dtype is written straight from the restored array."""
+    or FP8-quantized block by block into a buffer each writer thread reuses (the shard set's
+    `staging`, placed for direct I/O), so a writer holds one block (an FP8 block's quantizer
+    temporaries: about 4 blocks) whatever the tensor's size. A tensor already C-contiguous in the
+    export dtype is written from the restored array (through direct I/O's copy buffer)."""
 
     def __init__(self, files: ShardSet, out_dtype: str, block: tuple[int, int] | None, quantized: set[str],
                  bar: Any):
         self.files, self.dtype, self.block, self.quantized = files, np_dtype(out_dtype), block, quantized
         self._bar, self._bar_lock = bar, threading.Lock()
-        self._local = threading.local()
-
-    def _buffer(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        n = int(np.prod(shape)) * dtype.itemsize
-        buf = getattr(self._local, "buf", None)
-        if buf is None or buf.nbytes < n:
-            buf = np.empty(max(n, common.BLOCK_BYTES), np.uint8)
-            self._local.buf = buf
-        return buf[:n].view(dtype).reshape(shape)
 
     def _put(self, key: str, data: np.ndarray, first_row: int) -> None:
         if not self.files.is_done(key):
@@ -278,7 +270,7 @@ class TensorWriter:
         else:
             for r0, r1 in row_ranges(t.shape, self.dtype.itemsize):
                 part = t[r0:r1] if t.ndim else t
-                buf = self._buffer(part.shape, self.dtype)
+                buf = self.files.staging(key, r0, part.shape, self.dtype)
                 copy_into(buf, part)  # the cast and the transpose in one pass (tiled: see copy_into)
                 self._put(key, buf, r0)
         self.files.finished(key)
@@ -346,7 +338,7 @@ def convert_orbax_to_hf(input_dir: str | Path, output_dir: str | Path, *, dtype:
                         overrides: dict[str, Any] | None = None, max_shard_size: str = "5GB",
                         dry_run: bool = False, overwrite: bool = False, progress: bool = True,
                         resume: bool = False, fp8: bool = False, workers: int = DEFAULT_WORKERS,
-                        log: Callable[[str], None] = print) -> Summary:
+                        direct_io: bool = True, log: Callable[[str], None] = print) -> Summary:
     """A converted or training checkpoint -> HF safetensors shards + index + config.json.
 
     `fp8`: the published DeepSeek-V3 layout: every weight it quantizes (`fp8_quantizes`) written as
@@ -357,7 +349,8 @@ def convert_orbax_to_hf(input_dir: str | Path, output_dir: str | Path, *, dtype:
     `resume`: continue an interrupted export of the same checkpoint with the same settings, writing
     the shards it had not finished; the result is bitwise the uninterrupted one.
     `workers`: groups restored ahead and tensors written at once (`stream_groups`); the files do not
-    depend on it."""
+    depend on it. `direct_io`: shards written past the page cache (O_DIRECT) where the file system
+    takes it, else buffered (`safetensors_shards`); the files do not depend on it either."""
     check_workers(workers)
     src, out = Path(input_dir), Path(output_dir)
     reader = ParamsReader(src, **(overrides or {}))
@@ -396,7 +389,7 @@ def convert_orbax_to_hf(input_dir: str | Path, output_dir: str | Path, *, dtype:
     plan = export_plan(src, out_dtype, overrides or {}, max_shard_size, block)
     with (atomic_output_dir(out, log, plan=plan, resume=resume) as tmp,
           progress_bar(total, "Orbax -> HF", progress) as bar):
-        files = ShardSet(tmp, names, shards, shards_on_disk(tmp, names, shards))
+        files = ShardSet(tmp, names, shards, shards_on_disk(tmp, names, shards), direct=direct_io)
         # An HF tensor still to write: it (or its FP8 scale, which may lie in another shard) is in a
         # shard the interrupted export did not finish. Groups with none are not read again.
         to_write = lambda key: not (files.is_done(key) and files.is_done(key + SCALE_SUFFIX)

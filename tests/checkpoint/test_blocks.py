@@ -84,3 +84,142 @@ def test_export_writer_in_blocks_writes_the_whole_tensor_bytes(tmp_path, monkeyp
     assert got[KEY + SCALE_SUFFIX].tobytes() == scale.tobytes()
     want = np.ascontiguousarray(t).astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32)
     assert got["t"].tobytes() == want.tobytes()
+
+
+# --------------------------------------------------------------------------------------------
+# Shard files written by position, through the page cache or past it (O_DIRECT)
+
+
+def _tensors(n_tensors: int, seed: int) -> dict[str, np.ndarray]:
+    """Tensors of odd byte sizes (most offsets and ends fall inside a 4 KiB block), some larger than
+    a block, one 0-d and one empty."""
+    rng = np.random.default_rng(seed)
+    out = {"scalar": np.float32(rng.standard_normal()).reshape(()), "empty": np.zeros((0, 3), np.float32)}
+    max_rows = 8 if n_tensors < 10 else 300  # a few tensors: a file smaller than one block
+    for i in range(n_tensors):
+        rows, cols = int(rng.integers(1, max_rows)), int(rng.integers(1, 40))
+        dtype = [np.float32, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn][i % 3]
+        out[f"t{i}"] = rng.standard_normal((rows, cols)).astype(dtype)
+    return out
+
+
+def _write_shuffled(files, tensors: dict[str, np.ndarray], seed: int, threads: int = 3) -> None:
+    """Each tensor in random row blocks, in random order, by `threads` threads; half of the blocks
+    through the set's staging buffer (written from where they are), half from their own arrays."""
+    import concurrent.futures
+    import threading
+
+    rng = np.random.default_rng(seed)
+    jobs = []
+    for key, t in tensors.items():
+        cuts = sorted({0, len(t) if t.ndim else 1, *rng.integers(0, max(1, len(t) if t.ndim else 1), 3)})
+        jobs += [(key, r0, r1) for r0, r1 in zip(cuts, cuts[1:], strict=False) if r1 > r0] or [(key, 0, 0)]
+    rng.shuffle(jobs)
+    left = {k: sum(1 for j in jobs if j[0] == k) for k in tensors}
+    lock = threading.Lock()
+
+    def one(i: int, key: str, r0: int, r1: int) -> None:
+        t = tensors[key]
+        part = t if not t.ndim else t[r0:r1]
+        if i % 2:
+            buf = files.staging(key, r0, part.shape, part.dtype)
+            buf[...] = part
+            part = buf
+        files.file(key).write(key, part, r0)
+        with lock:
+            left[key] -= 1
+            last = left[key] == 0
+        if last:
+            files.finished(key)
+
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda a: one(*a), [(i, *j) for i, j in enumerate(jobs)]))
+
+
+@pytest.mark.parametrize("n_tensors", [3, 40, 400])  # a file under one block; headers under / over one
+def test_shard_files_are_the_same_bytes_direct_or_buffered(tmp_path, n_tensors):
+    """Row blocks written in random order by 3 threads, through O_DIRECT (where this file system
+    takes it) and through the page cache: byte-equal files of the planned size that safetensors
+    reads back as the tensors."""
+    import os
+
+    from safetensors.torch import load_file
+
+    from farskip_jax.checkpoint.safetensors_shards import ALIGN, ShardFile
+
+    tensors = _tensors(n_tensors, seed=n_tensors)
+    entries = [[(k, t.shape, str(t.dtype)) for k, t in tensors.items()]]
+    got = {}
+    for direct in (True, False):
+        d = tmp_path / ("direct" if direct else "buffered")
+        d.mkdir()
+        files = ShardSet(d, ["model.safetensors"], entries, set(), direct=direct)
+        _write_shuffled(files, tensors, seed=n_tensors)
+        assert files.done == {0}
+        got[direct] = (d / "model.safetensors").read_bytes()
+    probe = ShardFile(tmp_path / "probe.safetensors", entries[0], direct=True)
+    os.close(probe.fd)
+    if not probe.direct:
+        pytest.skip(f"{tmp_path}: no O_DIRECT on this file system (the direct path fell back to buffered)")
+    size = probe.size
+    assert size % ALIGN and (n_tensors < 10) == (size < ALIGN)
+    assert len(got[True]) == size and got[True] == got[False]
+    loaded = load_file(str(tmp_path / "direct" / "model.safetensors"))
+    for k, t in tensors.items():
+        assert tuple(loaded[k].shape) == t.shape, k
+        assert loaded[k].reshape(-1).view(torch.uint8).numpy().tobytes() == t.tobytes(), k
+
+
+@pytest.mark.parametrize("refused_at", ["open", "write"])
+def test_shard_file_falls_back_to_buffered_where_direct_io_is_refused(tmp_path, monkeypatch, refused_at):
+    """A file system that refuses O_DIRECT (EINVAL at open, or at the first write on a descriptor that
+    took it) gets the buffered path and the same bytes; any other open error is raised."""
+    import errno
+    import fcntl
+    import os
+
+    from farskip_jax.checkpoint import safetensors_shards
+    from farskip_jax.checkpoint.safetensors_shards import ShardFile
+
+    tensors = _tensors(40, seed=1)
+    entries = [(k, t.shape, str(t.dtype)) for k, t in tensors.items()]
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    _write_shuffled(ShardSet(ref, ["model.safetensors"], [entries], set(), direct=False), tensors, seed=1)
+    real_open, real_pwrite = os.open, os.pwrite
+    refused = []
+
+    def refusing_open(path, flags, *args):
+        if flags & os.O_DIRECT:
+            refused.append(path)
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *args)
+
+    def refusing_pwrite(fd, data, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    if refused_at == "open":
+        monkeypatch.setattr(safetensors_shards.os, "open", refusing_open)
+    else:
+        probe = ShardFile(tmp_path / "probe.safetensors", entries, direct=True)
+        os.close(probe.fd)
+        (tmp_path / "probe.safetensors").unlink()
+        if not probe.direct:
+            pytest.skip(f"{tmp_path}: no O_DIRECT on this file system")
+        monkeypatch.setattr(safetensors_shards.os, "pwrite", refusing_pwrite)
+    files = ShardSet(tmp_path, ["model.safetensors"], [entries], set(), direct=True)
+    _write_shuffled(files, tensors, seed=1)
+    monkeypatch.setattr(safetensors_shards.os, "open", real_open)
+    monkeypatch.setattr(safetensors_shards.os, "pwrite", real_pwrite)
+    assert refused and files.done == {0}
+    assert (tmp_path / "model.safetensors").read_bytes() == (ref / "model.safetensors").read_bytes()
+
+    def failing_open(path, flags, *args):
+        raise OSError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(safetensors_shards.os, "open", failing_open)
+    with pytest.raises(PermissionError):
+        ShardFile(tmp_path / "x.safetensors", entries, direct=True)

@@ -463,7 +463,8 @@ def test_to_hf_resume_keeps_shards_finished_out_of_order(orbax_dir, tmp_path, ca
 def test_workers_and_row_blocks_do_not_change_the_output(hf_dir, orbax_dir, tmp_path, monkeypatch, capsys):
     """1 or 3 workers, with 512-byte row blocks (every tensor larger than that read, cast and
     written in several blocks, several shards in flight): the parameters of the default run
-    (2 workers, 64 MiB blocks) and byte-equal exports, in the stored fp32 and cast to bf16."""
+    (2 workers, 64 MiB blocks) and byte-equal exports, in the stored fp32 and cast to bf16; and
+    with `--buffered-writes`."""
     import convert_torch_ckpt
     from farskip_jax.checkpoint import common, convert
 
@@ -491,6 +492,14 @@ def test_workers_and_row_blocks_do_not_change_the_output(hf_dir, orbax_dir, tmp_
     capsys.readouterr()
     assert cli(["--input", str(hf_dir), "--output", str(tmp_path / "w0"), "--workers", "0"]) == 2
     assert "--workers 0: expected an integer >= 1" in capsys.readouterr().err
+    # Through the page cache: the same files (the default writes with O_DIRECT where it can).
+    out = tmp_path / "hf_buffered"
+    assert cli(["--to-hf", "--input", str(orbax_dir), "--output", str(out), "--dtype", "bf16",
+                "--buffered-writes", *shard]) == 0
+    assert all((out / p.name).read_bytes() == p.read_bytes() for p in refs["bf16"].iterdir())
+    capsys.readouterr()
+    assert cli(["--input", str(hf_dir), "--output", str(tmp_path / "b"), "--buffered-writes"]) == 2
+    assert "--buffered-writes applies to --to-hf only" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------------------------
