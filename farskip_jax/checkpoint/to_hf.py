@@ -238,7 +238,7 @@ class TensorWriter:
     or FP8-quantized block by block into a buffer each writer thread reuses (the shard set's
     `staging`, placed for direct I/O), so a writer holds one block (an FP8 block's quantizer
     temporaries: about 4 blocks) whatever the tensor's size. A tensor already C-contiguous in the
-    export dtype is written from the restored array (through direct I/O's copy buffer)."""
+    export dtype is written from the restored array (with direct I/O, through its copy buffer)."""
 
     def __init__(self, files: ShardSet, out_dtype: str, block: tuple[int, int] | None, quantized: set[str],
                  bar: Any):
