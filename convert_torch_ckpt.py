@@ -5,6 +5,7 @@ pytorch_model*.bin) to Orbax and back."""
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from pathlib import Path
@@ -86,11 +87,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# The output's storage refused a write: a full disk, a quota, a file size limit, a read-only or
+# failing device. The user's to fix (then --resume), not a bug: one line, no traceback.
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
+
+
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     """Checkpoint and argument problems (CheckpointError is a UserError) end as `error: ...` on
-    stderr with exit status 2 (`cli_main`)."""
+    stderr with exit status 2 (`cli_main`), as do writes the output's storage refuses."""
     args = build_parser().parse_args(argv)
+    try:
+        return _convert(args)
+    except OSError as e:
+        if e.errno not in STORAGE_ERRNOS:
+            raise
+        where = e.filename or f"writing {args.output}"  # os.write names no file; the output's temp dir
+        raise UserError(f"{where}: {e.strerror}") from e
+
+
+def _convert(args: argparse.Namespace) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion needs no accelerator
     from farskip_jax.checkpoint.convert import convert_hf_to_orbax, farskip_overrides, parse_mesh
     from farskip_jax.checkpoint.to_hf import convert_orbax_to_hf

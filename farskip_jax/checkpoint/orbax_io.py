@@ -133,8 +133,15 @@ class ParamsWriter:
         """Writes `tree` (numpy leaves at paths no earlier call wrote) and returns when it is on disk
         and committed. One call at a time: Orbax stages every partial save of a session in the same
         temporary directory (`<session>.orbax-checkpoint-tmp`), so two at once fail."""
-        with self._ctx:
-            self._v1.partial.save(self._session, tree)
+        try:
+            with self._ctx:
+                self._v1.partial.save(self._session, tree)
+        except ValueError as e:
+            # TensorStore reports a failed file operation (a full disk, a quota, a file size limit)
+            # as a ValueError naming the file and the OS error code; other ValueErrors are bugs.
+            if "os_error_code" not in str(e):
+                raise
+            raise CheckpointError(f"writing the Orbax checkpoint in {self.directory}: {e}") from e
 
     def finish(self) -> None:
         from orbax.checkpoint.experimental.v1._src.handlers import pytree_handler

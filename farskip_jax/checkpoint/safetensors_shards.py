@@ -28,6 +28,7 @@ its size on close.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -35,6 +36,7 @@ import mmap
 import os
 import struct
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +123,10 @@ class ShardFile:
     file system takes it (see the module's docstring), else through the page cache."""
 
     def __init__(self, path: Path, entries: list[Entry], direct: bool = False):
+        with _writing(path):
+            self._open(path, entries, direct)
+
+    def _open(self, path: Path, entries: list[Entry], direct: bool) -> None:
         self.path = path
         self.entries = {k: (tuple(shape), np_dtype(dt)) for k, shape, dt in entries}
         head, self.offsets = shard_header(entries)
@@ -151,7 +157,8 @@ class ShardFile:
         if not (fits and data.dtype == dtype and data.flags.c_contiguous):
             raise CheckpointError(f"{self.path.name}: got {key} rows {first_row}.. {data.shape} "
                                   f"{data.dtype}, planned {shape} {dtype}")
-        self._write_at(data.reshape(-1).view(np.uint8), self.offset(key, first_row))
+        with _writing(self.path):
+            self._write_at(data.reshape(-1).view(np.uint8), self.offset(key, first_row))
 
     def offset(self, key: str, first_row: int = 0) -> int:
         """The file offset of row `first_row` of tensor `key`."""
@@ -217,10 +224,21 @@ class ShardFile:
         if self._blocks:
             raise CheckpointError(f"internal error: {self.path.name}: blocks {sorted(self._blocks)[:3]} "
                                   "not whole at close")
-        if self.direct and self.size % ALIGN:
-            os.ftruncate(self.fd, self.size)
-        os.fdatasync(self.fd)
+        with _writing(self.path):
+            if self.direct and self.size % ALIGN:
+                os.ftruncate(self.fd, self.size)
+            os.fdatasync(self.fd)
         os.close(self.fd)
+
+
+@contextlib.contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """A failed write (a full disk, a quota, a file size limit, an I/O error) is the user's to fix:
+    one line naming the file (the export's temp dir keeps the shards already finished for --resume)."""
+    try:
+        yield
+    except OSError as e:
+        raise CheckpointError(f"writing {path}: {e.strerror or e}") from e
 
 
 class ShardWriter:
@@ -315,7 +333,7 @@ class ShardSet:
         with self._lock:
             shard = self.files.pop(i)
         shard.close()
-        with self._lock:
+        with self._lock, _writing(self.tmp / SHARDS_DONE):
             with open(self.tmp / SHARDS_DONE, "a") as listing:
                 listing.write(self.names[i] + "\n")
                 listing.flush()

@@ -173,7 +173,8 @@ def test_shard_files_are_the_same_bytes_direct_or_buffered(tmp_path, n_tensors):
 @pytest.mark.parametrize("refused_at", ["open", "write"])
 def test_shard_file_falls_back_to_buffered_where_direct_io_is_refused(tmp_path, monkeypatch, refused_at):
     """A file system that refuses O_DIRECT (EINVAL at open, or at the first write on a descriptor that
-    took it) gets the buffered path and the same bytes; any other open error is raised."""
+    took it) gets the buffered path and the same bytes; any other open error is raised, naming the
+    file."""
     import errno
     import fcntl
     import os
@@ -221,5 +222,22 @@ def test_shard_file_falls_back_to_buffered_where_direct_io_is_refused(tmp_path, 
         raise OSError(errno.EACCES, "Permission denied", str(path))
 
     monkeypatch.setattr(safetensors_shards.os, "open", failing_open)
-    with pytest.raises(PermissionError):
+    from farskip_jax.checkpoint.hf_io import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"writing .*x\.safetensors: Permission denied"):
         ShardFile(tmp_path / "x.safetensors", entries, direct=True)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_refused_shard_write_names_the_file(tmp_path, direct, file_size_limit):
+    """A write the storage refuses (a file size limit, as a full disk) is a CheckpointError naming the
+    shard, direct or buffered, not an OSError without a file name."""
+    from farskip_jax.checkpoint.hf_io import CheckpointError
+
+    t = np.arange(8192, dtype=np.float32).reshape(64, 128)  # 32 KiB
+    files = ShardSet(tmp_path, ["model.safetensors"], [[("t", t.shape, "float32")]], set(), direct=direct)
+    with file_size_limit(16384), pytest.raises(CheckpointError,
+                                               match=r"writing .*model\.safetensors: File too large"):
+        files.file("t").write("t", t)
+        files.finished("t")
+    files.close()

@@ -566,3 +566,49 @@ def test_version1_layout_still_loads(orbax_dir, hf_dir, hf_logits, tmp_path):
     back = tmp_path / "hf"
     assert cli(["--to-hf", "--input", str(old), "--output", str(back), "--no-progress"]) == 0
     _same_tensors(_tensors(hf_dir), _tensors(back))
+
+
+
+# `python -c _LIMITED_CLI SCRIPT BYTES ARGS...`: SCRIPT with ARGS in a child whose files may not
+# grow past BYTES (set in the child itself: a preexec_fn would fork this multithreaded process).
+_LIMITED_CLI = """
+import resource, runpy, signal, sys
+script, limit = sys.argv[1], int(sys.argv[2])
+sys.argv = [script, *sys.argv[3:]]
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def test_a_refused_write_ends_in_one_error_line_and_resumes(hf_dir, orbax_dir, tmp_path, capsys):
+    """HF -> Orbax where the storage refuses a write (a 16 KiB file size limit: the first groups'
+    data files pass, a later one does not; a full disk or a quota fail the same way): an `error:`
+    line naming the file TensorStore was writing, exit status 2, the committed groups kept, and once
+    the limit is lifted `--resume` completes it bitwise equal to an uninterrupted run."""
+    out = tmp_path / "out"
+    cmd = ["--input", str(hf_dir), "--mesh", "expert=8", "--output", str(out), "--no-progress"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", _LIMITED_CLI, str(REPO / "convert_torch_ckpt.py"), "16384",
+                           *cmd], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    # Orbax logs its own traceback too, from its threads, before or after ours.
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1, proc.stderr[-3000:]
+    assert ours[0].startswith("error: writing the Orbax checkpoint in ") and "/ocdbt.process_0/d/" in ours[0]
+    assert "File too large" in ours[0]
+    assert "rerun the same command with --resume" in proc.stdout
+    assert cli([*cmd, "--resume"]) == 0
+    assert "resuming" in capsys.readouterr().out
+    ref, got = _saved_bits(orbax_dir), _saved_bits(out)
+    assert sorted(got) == sorted(ref) and all(np.array_equal(got[k], ref[k]) for k in ref)
+
+
+def test_a_refused_write_of_the_export_is_one_error_line(orbax_dir, tmp_path, capsys, file_size_limit):
+    """Orbax -> HF with a 4 KiB file size limit (its first write, the temp dir's plan, is larger):
+    `error: writing <output>: File too large`, exit status 2, nothing else on stderr."""
+    out = tmp_path / "out"
+    with file_size_limit(4096):
+        rc = cli(["--to-hf", "--input", str(orbax_dir), "--output", str(out), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err == f"error: writing {out}: File too large\n", err
