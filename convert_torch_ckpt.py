@@ -5,12 +5,11 @@ pytorch_model*.bin) to Orbax and back."""
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import sys
 from pathlib import Path
 
-from farskip_jax.errors import UserError, cli_main
+from farskip_jax.errors import UserError, cli_main, storage_refusal
 
 DEFAULT_WORKERS = 2  # farskip_jax.checkpoint.convert.DEFAULT_WORKERS; imported late there (jax)
 
@@ -87,11 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# The output's storage refused a write: a full disk, a quota, a file size limit, a read-only or
-# failing device. The user's to fix (then --resume), not a bug: one line, no traceback.
-STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
-
-
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     """Checkpoint and argument problems (CheckpointError is a UserError) end as `error: ...` on
@@ -100,10 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _convert(args)
     except OSError as e:
-        if e.errno not in STORAGE_ERRNOS:
+        if (reason := storage_refusal(e)) is None:
             raise
-        where = e.filename or f"writing {args.output}"  # os.write names no file; the output's temp dir
-        raise UserError(f"{where}: {e.strerror}") from e
+        # os.write names no file: then the output (its temp dir beside it was being written)
+        raise UserError(reason if e.filename else f"writing {args.output}: {reason}") from e
 
 
 def _convert(args: argparse.Namespace) -> int:

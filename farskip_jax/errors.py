@@ -10,8 +10,10 @@ keeps its traceback.
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -27,6 +29,22 @@ class ConfigError(ValueError):
 
 
 F = TypeVar("F", bound=Callable[..., int | None])
+
+# A write the storage refused: a full disk, a quota, a file size limit, a read-only or failing device.
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO})
+
+
+def storage_refusal(e: BaseException) -> str | None:
+    """What the OS said when `e` is a write the storage refused (`STORAGE_ERRNOS`): the user's to fix
+    (free space, then --resume), not a bug. Either an OSError, or TensorStore's ValueError for a
+    failed file operation, which names the file and carries the OS error code; None otherwise."""
+    if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:
+        return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+    if isinstance(e, ValueError):
+        code = re.search(r"os_error_code='(\d+)'", str(e))
+        if code and int(code.group(1)) in STORAGE_ERRNOS:
+            return str(e)
+    return None
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:

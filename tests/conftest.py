@@ -1,7 +1,11 @@
 """Test-session setup: 8 fake CPU devices and a persistent compile cache, set before jax imports."""
 
+import contextlib
 import gc
 import os
+import resource
+import signal
+from collections.abc import Callable, Iterator
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
@@ -35,3 +39,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         callspec = getattr(item, "callspec", None)
         if callspec is not None and callspec.id in slow_cases:
             item.add_marker(pytest.mark.slow)
+
+
+@contextlib.contextmanager
+def _file_size_limit(nbytes: int) -> Iterator[None]:
+    saved = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills the writer
+    # The compile cache is read but not written meanwhile: a program compiled under the limit would
+    # leave a truncated entry that every later run reads, warns about and compiles again.
+    min_entry = jax.config.jax_persistent_cache_min_entry_size_bytes
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 2**62)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, saved[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, saved)
+        signal.signal(signal.SIGXFSZ, handler)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", min_entry)
+
+
+@pytest.fixture
+def file_size_limit() -> Callable[[int], contextlib.AbstractContextManager[None]]:
+    """`with file_size_limit(n):` files may not grow past n bytes in this process (the soft limit,
+    restored after): writes past it fail with EFBIG, as they fail with ENOSPC on a full disk."""
+    return _file_size_limit

@@ -25,9 +25,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,8 @@ from orbax.checkpoint import checkpoint_managers as cm
 # files stay as they were) are only importable from `_src` in this version.
 from orbax.checkpoint._src.metadata.array_metadata_store import Store as _ArrayMetadataStore
 from orbax.checkpoint._src.serialization.types import TransferPriority
+
+from farskip_jax.errors import UserError, storage_refusal
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +156,7 @@ class CheckpointManager:
             raise ValueError(f"staging_gb must be None or > 0, got {staging_gb}")
         self.directory = Path(directory).absolute()
         self.staging_gb = staging_gb
+        self._pending: int | None = None  # the step of the newest save started
         # Synchronous saves return after writing, before any step can donate the state: no copy needed.
         self._snapshot = async_save and staging_gb is not None
         policy = cm.AnyPreservationPolicy([
@@ -181,14 +186,35 @@ class CheckpointManager:
         metrics = None if eval_metric is None else {BEST_METRIC: float(eval_metric)}
         if self._snapshot:
             params, opt_state = device_copy((params, opt_state))
-        self._mngr.save(step, args=ocp.args.Composite(
-            params=ocp.args.PyTreeSave(params), opt_state=ocp.args.PyTreeSave(opt_state),
-            meta=ocp.args.JsonSave(meta)), metrics=metrics, force=True)
+        # An async save's failure surfaces at the next save or wait.
+        with self._storage_errors(self._pending if self._async else step):
+            self._pending = step
+            self._mngr.save(step, args=ocp.args.Composite(
+                params=ocp.args.PyTreeSave(params), opt_state=ocp.args.PyTreeSave(opt_state),
+                meta=ocp.args.JsonSave(meta)), metrics=metrics, force=True)
         if not self._async:
             release_freed_host_memory()
 
     def wait(self) -> None:
-        self._mngr.wait_until_finished()
+        with self._storage_errors(self._pending):
+            self._mngr.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _storage_errors(self, failed: int | None) -> Iterator[None]:
+        """A save (of step `failed`) that the storage refused (a full disk, a quota:
+        `storage_refusal`) ends the run with one line naming the checkpoint and the last complete one
+        to resume from, not Orbax's traceback. The checkpoints already written stay as they were
+        (each is committed by one rename)."""
+        try:
+            yield
+        except (OSError, ValueError) as e:
+            if (reason := storage_refusal(e)) is None:
+                raise
+            done = [s for s in self.steps() if s != failed]
+            last = f"{self.directory / str(done[-1])}" if done else "none yet"
+            raise UserError(f"checkpoint {self.directory / str(failed)}: the storage refused a write "
+                            f"({reason}); the last complete checkpoint is {last}. Free space, then rerun "
+                            "with --resume") from e
 
     def saving(self) -> bool:
         """Whether a save is still being written."""
@@ -233,5 +259,5 @@ class CheckpointManager:
         return self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
     def close(self) -> None:
-        self._mngr.wait_until_finished()
+        self.wait()
         self._mngr.close()

@@ -29,6 +29,7 @@ from farskip_jax.checkpoint.common import deep_merge, model_shardings, nest_get,
 from farskip_jax.checkpoint.hf_io import CheckpointError
 from farskip_jax.checkpoint.hf_keys import param_specs
 from farskip_jax.config import ModelConfig, from_dict, migrate_stored_config, override
+from farskip_jax.errors import storage_refusal
 
 MARKER = "farskip_checkpoint.json"
 MODEL_CONFIG = "model_config.json"
@@ -137,9 +138,7 @@ class ParamsWriter:
             with self._ctx:
                 self._v1.partial.save(self._session, tree)
         except ValueError as e:
-            # TensorStore reports a failed file operation (a full disk, a quota, a file size limit)
-            # as a ValueError naming the file and the OS error code; other ValueErrors are bugs.
-            if "os_error_code" not in str(e):
+            if storage_refusal(e) is None:
                 raise
             raise CheckpointError(f"writing the Orbax checkpoint in {self.directory}: {e}") from e
 

@@ -485,8 +485,8 @@ class Trainer:
         finally:
             prefetch.close()
             bar.close()
+            mlog.close()  # first: a save that failed raises again in the wait
             self.ckpt.wait()
-            mlog.close()
         elapsed = time.perf_counter() - t0
         summary = {
             "steps": self.step, "stop_reason": stop_reason or "total_steps reached",

@@ -419,3 +419,26 @@ def test_moe_overflow_fallback_is_exact(cfg_for, tmp_path, reference):
     ep, ref = _train_losses(tmp_path / "tight"), _train_losses(reference["out"])
     for s in (1, 2, 3):
         assert abs(ep[s] - ref[s]) <= 1e-5 * max(1.0, abs(ref[s])), (s, ep[s], ref[s])
+
+
+def test_a_checkpoint_the_storage_refuses_ends_the_run_in_one_line(cfg_for, tmp_path, file_size_limit):
+    """An async save refused by the storage (a 200 kB file size limit under the data files TensorStore
+    writes, whose sizes vary from save to save; a full disk the same way): the run ends at the next
+    save with a UserError (one `error:` line from train.py) naming that checkpoint and the last
+    complete one, not Orbax's ValueError; the metrics log is closed whole."""
+    import re
+
+    from farskip_jax.errors import UserError
+
+    out = tmp_path / "out"
+    tr = trainer_mod.Trainer(cfg_for(out, **{"train.checkpoint_every": 4, "train.eval_every": 100}))
+    with file_size_limit(200_000), pytest.raises(UserError) as refused:
+        tr.run()
+    m = re.fullmatch(r"checkpoint (.+)/(\d+): the storage refused a write \(.*File too large.*\); the last "
+                     r"complete checkpoint is (none yet|.+/(\d+))\. Free space, then rerun with --resume",
+                     str(refused.value), re.DOTALL)
+    assert m and m[1] == str(out.absolute() / "checkpoints"), refused.value
+    complete = tr.ckpt.steps()
+    assert int(m[2]) not in complete and int(m[2]) % 4 == 0 and tr.step >= int(m[2])
+    assert (m[3] == "none yet") == (not complete) and (not complete or int(m[4]) == complete[-1] < int(m[2]))
+    assert all(json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines())
