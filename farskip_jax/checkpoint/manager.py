@@ -212,7 +212,8 @@ class CheckpointManager:
                 raise
             done = [s for s in self.steps() if s != failed]
             last = f"{self.directory / str(done[-1])}" if done else "none yet"
-            raise UserError(f"checkpoint {self.directory / str(failed)}: the storage refused a write "
+            name = self.directory / str(failed) if failed is not None else self.directory
+            raise UserError(f"checkpoint {name}: the storage refused a write "
                             f"({reason}); the last complete checkpoint is {last}. Free space, then rerun "
                             "with --resume") from e
 

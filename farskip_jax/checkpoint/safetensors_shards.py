@@ -46,6 +46,7 @@ from farskip_jax.checkpoint import common
 from farskip_jax.checkpoint.common import copy_into, pwrite_all
 from farskip_jax.checkpoint.hf_io import CheckpointError, np_dtype
 from farskip_jax.checkpoint.output_dir import SHARDS_DONE, pause_for_tests
+from farskip_jax.errors import storage_refusal
 
 ST_TAGS = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float8_e4m3fn": "F8_E4M3"}
 Entry = tuple[str, tuple[int, ...], str]  # HF key, shape, dtype name
@@ -233,12 +234,15 @@ class ShardFile:
 
 @contextlib.contextmanager
 def _writing(path: Path) -> Iterator[None]:
-    """A failed write (a full disk, a quota, a file size limit, an I/O error) is the user's to fix:
-    one line naming the file (the export's temp dir keeps the shards already finished for --resume)."""
+    """A write the storage refuses (a full disk, a quota, a file size limit, an I/O error:
+    `storage_refusal`) or a file we may not write is the user's to fix: one line naming the file (the
+    export's temp dir keeps the shards already finished for --resume). Other OS errors are bugs."""
     try:
         yield
     except OSError as e:
-        raise CheckpointError(f"writing {path}: {e.strerror or e}") from e
+        if storage_refusal(e) is None and e.errno not in (errno.EACCES, errno.EPERM):
+            raise
+        raise CheckpointError(f"writing {path}: {e.strerror}") from e
 
 
 class ShardWriter:
