@@ -84,6 +84,14 @@ def shard_header(entries: list[Entry]) -> tuple[bytes, dict[str, int]]:
     return struct.pack("<Q", len(raw)) + raw, {k: start + header[k]["data_offsets"][0] for k, *_ in entries}
 
 
+def row_offsets(entries: list[Entry]) -> dict[str, tuple[int, int]]:
+    """Per planned tensor: its byte offset in the shard file and the bytes of one of its rows (0 for a
+    0-d tensor), so that rows [r, ...) of a tensor start at offset + r * row_bytes."""
+    offsets = shard_header(entries)[1]
+    return {key: (offsets[key], entry_bytes((key, shape[1:], dtype)) if shape else 0)
+            for key, shape, dtype in entries}
+
+
 # O_DIRECT's unit: offsets, lengths and buffer addresses are multiples of it. 4 KiB is the logical
 # block of the disks we write to (and a multiple of the old 512-byte one); some file systems (Lustre)
 # want whole pages, which are larger on some aarch64 kernels.
@@ -130,7 +138,8 @@ class ShardFile:
     def _open(self, path: Path, entries: list[Entry], direct: bool) -> None:
         self.path = path
         self.entries = {k: (tuple(shape), np_dtype(dt)) for k, shape, dt in entries}
-        head, self.offsets = shard_header(entries)
+        head = shard_header(entries)[0]
+        self._row_at = row_offsets(entries)
         self.size = len(head) + shard_bytes(entries)
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         self.direct = direct and hasattr(os, "O_DIRECT")
@@ -163,9 +172,8 @@ class ShardFile:
 
     def offset(self, key: str, first_row: int = 0) -> int:
         """The file offset of row `first_row` of tensor `key`."""
-        shape, dtype = self.entries[key]
-        row = int(np.prod(shape[1:])) * dtype.itemsize if shape else 0
-        return self.offsets[key] + first_row * row
+        offset, row_bytes = self._row_at[key]
+        return offset + first_row * row_bytes
 
     def _write_at(self, data: np.ndarray, offset: int) -> None:
         if not self.direct:
@@ -297,11 +305,7 @@ class ShardSet:
     def __init__(self, tmp: Path, names: list[str], shards: list[list[Entry]], done: set[int],
                  direct: bool = True):
         self.tmp, self.names, self.shards, self.direct = tmp, names, shards, direct
-        self._row_at: dict[str, tuple[int, int]] = {}  # key -> (file offset, bytes per row)
-        for shard in shards:
-            offsets = shard_header(shard)[1]
-            for key, shape, dtype in shard:
-                self._row_at[key] = (offsets[key], entry_bytes((key, shape[1:], dtype)) if shape else 0)
+        self._row_at = {key: at for shard in shards for key, at in row_offsets(shard).items()}
         self.shard_of = {k: i for i, sh in enumerate(shards) for k, *_ in sh}
         self.left = {i: len(sh) for i, sh in enumerate(shards) if i not in done}
         self.done = set(done)
@@ -315,8 +319,8 @@ class ShardSet:
     def staging(self, key: str, first_row: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """A buffer for rows of `key` from `first_row` on, to fill and pass to `file(key).write`:
         with direct I/O, written from where it is (module `staging`)."""
-        offset, row = self._row_at[key]
-        return staging(offset + first_row * row, shape, dtype)
+        offset, row_bytes = self._row_at[key]
+        return staging(offset + first_row * row_bytes, shape, dtype)
 
     def file(self, key: str) -> ShardFile:
         i = self.shard_of[key]
