@@ -12,7 +12,6 @@ import copy
 import dataclasses
 import json
 import logging
-import math
 import os
 import signal
 import time
@@ -31,6 +30,7 @@ from farskip_jax.errors import UserError
 from farskip_jax.platforms import device_family
 from farskip_jax.train import batches, remat, scheduled_step, setup
 from farskip_jax.train.early_stop import EarlyStopper
+from farskip_jax.train.metrics_log import MetricsLog
 from farskip_jax.train.program import TrainProgram, build_program
 from farskip_jax.train.teacher_cache import TeacherCache
 from farskip_jax.train.zero1 import batch_devices
@@ -71,40 +71,6 @@ def _from_jsonable(x: Any) -> Any:
     if isinstance(x, list):
         return [_from_jsonable(v) for v in x]
     return x
-
-
-class MetricsLog:
-    """metrics.jsonl + TensorBoard event files (process 0 only)."""
-
-    def __init__(self, out: Path, resume_step: int):
-        self.enabled = jax.process_index() == 0
-        self.path = out / "metrics.jsonl"
-        self.tb = None
-        if self.enabled:
-            out.mkdir(parents=True, exist_ok=True)
-            if resume_step == 0 and self.path.exists():
-                self.path.unlink()
-            elif self.path.exists():
-                # Drop lines logged after the checkpoint we resume from, so the file reads as one run.
-                lines = [ln for ln in self.path.read_text().splitlines()
-                         if ln and json.loads(ln).get("step", 0) <= resume_step]
-                self.path.write_text("".join(ln + "\n" for ln in lines))
-            from tensorboardX import SummaryWriter
-
-            self.tb = SummaryWriter(str(out / "tb"), purge_step=resume_step or None)
-
-    def write(self, kind: str, step: int, values: dict[str, float]) -> None:
-        if not self.enabled:
-            return
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"kind": kind, "step": step, **values}) + "\n")
-        for k, v in values.items():
-            if isinstance(v, int | float) and math.isfinite(v):
-                self.tb.add_scalar(f"{kind}/{k}", v, step)
-
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
 
 
 def _env_steps(name: str) -> set[int]:
@@ -380,6 +346,55 @@ class Trainer:
                             choice.describe())
         return self._worst_step
 
+    def _rerun_overflowed(self, in_flight: _InFlight, nxt: _InFlight | None,
+                          zero: jax.Array) -> dict[str, Any]:
+        """The bounded buffers overflowed somewhere in step `in_flight`: that step changed nothing, so
+        the same batch runs again with the worst-case buffers and the step stays exactly dropless. The
+        step dispatched after it (`nxt`) was void too (its after_void), so it runs again as well.
+        Returns the re-run's metrics, read."""
+        self.counts["moe_overflow_reruns"] += 1
+        log.info("step %d: a routed-expert buffer overflowed (execution.moe_buffer_factor=%g); "
+                 "re-running it with the worst-case buffers (%d re-runs so far)", self.step,
+                 self.cfg.execution.moe_buffer_factor, self.counts["moe_overflow_reruns"])
+        teacher = self.models.teacher_params
+        rerun = (self.state, teacher, in_flight.item.batch, in_flight.scale, zero)
+        self.state, metrics = self._worst_case_step(rerun)(*rerun)
+        metrics = jax.device_get(metrics)
+        if nxt is not None:
+            self.state, nxt.metrics = self.train_step(self.state, teacher, nxt.item.batch, nxt.scale, zero)
+        return metrics
+
+    def _raise_if_nonfinite_in_row(self) -> None:
+        tc = self.cfg.train
+        if self.counts["nonfinite_in_row"] < tc.max_nonfinite_in_row:
+            return
+        self.ckpt.wait()
+        last = self.ckpt.latest_step()
+        where = f"{self.ckpt.directory}/{last}" if last is not None else "none saved yet"
+        raise NonFiniteError(
+            f"{self.counts['nonfinite_in_row']} non-finite steps in a row "
+            f"(train.max_nonfinite_in_row={tc.max_nonfinite_in_row}) at step {self.step}; the "
+            f"updates were skipped, the last good checkpoint is {where}. Lower "
+            "train.learning_rate or check the data.")
+
+    def _evaluate_and_save(self, mlog: MetricsLog, kill_after: set[int]) -> dict[str, float] | None:
+        """After step self.step: the evaluation and checkpoint it is due (a checkpoint follows every
+        evaluation, with its metric, and an early stop). Returns the evaluation's values, if any."""
+        metric, result = None, None
+        if self._evaluates(self.step):
+            result = self.evaluate()
+            if result is not None:
+                metric = result["metric"]
+                mlog.write("eval", self.step, result)
+                if self.stopper.update(self.step, metric):
+                    self.stop_reason = self.stopper.reason
+        if self._checkpoints(self.step) or metric is not None or self.stop_reason:
+            self.save(metric)
+            if self.step in kill_after:
+                self.ckpt.wait()
+                os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
     def run(self, resume: bool = False) -> dict[str, Any]:
         from tqdm.auto import tqdm
 
@@ -400,13 +415,13 @@ class Trainer:
             (self.out / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=1))
         bar = tqdm(total=tc.total_steps, initial=self.step, disable=jax.process_index() != 0,
                    dynamic_ncols=True, desc=f"{self.cfg.name}:{tc.mode}")
-        t0, tokens_seen, stop_reason, last_eval = time.perf_counter(), 0.0, None, None
+        t0, tokens_seen, last_eval = time.perf_counter(), 0.0, None
         real_tokens, loss = 0.0, float("nan")
+        self.stop_reason = None
         self._consumed_data_state = self.data.get_state()  # before the prefetch thread moves the stream
         prefetch = batches.Prefetcher(self._make_batch, self.step)
         # after_void of a first step and of every re-run (see make_train_step)
         zero = jax.device_put(np.float32(0.0), self.program.shardings.scalar)
-        teacher = self.models.teacher_params
         in_flight: _InFlight | None = None  # dispatched, its metrics not read yet (step self.step)
         try:
             while in_flight is not None or self.step < tc.total_steps:
@@ -426,19 +441,7 @@ class Trainer:
                 m = jax.device_get(in_flight.metrics)
                 self.host_times["read_s"] += time.perf_counter() - t_read
                 if m["moe_overflow"] > 0:
-                    # The bounded buffers overflowed somewhere: that step changed nothing; the same
-                    # batch runs again with the worst-case buffers, so the step stays exactly dropless.
-                    # The step dispatched after it was void too (its after_void): it runs again next.
-                    self.counts["moe_overflow_reruns"] += 1
-                    log.info("step %d: a routed-expert buffer overflowed (execution.moe_buffer_factor=%g); "
-                             "re-running it with the worst-case buffers (%d re-runs so far)", self.step,
-                             self.cfg.execution.moe_buffer_factor, self.counts["moe_overflow_reruns"])
-                    rerun = (self.state, teacher, in_flight.item.batch, in_flight.scale, zero)
-                    self.state, m = self._worst_case_step(rerun)(*rerun)
-                    m = jax.device_get(m)
-                    if nxt is not None:
-                        self.state, nxt.metrics = self.train_step(self.state, teacher, nxt.item.batch,
-                                                                  nxt.scale, zero)
+                    m = self._rerun_overflowed(in_flight, nxt, zero)
                 t_host = time.perf_counter()
                 loss, ok = self._record(m)
                 self.step += 1
@@ -457,39 +460,27 @@ class Trainer:
                 bar.update(1)
                 self.host_times["loop_s"] += time.perf_counter() - t_host
                 in_flight = nxt
-                if self.counts["nonfinite_in_row"] >= tc.max_nonfinite_in_row:
-                    self.ckpt.wait()
-                    last = self.ckpt.latest_step()
-                    where = f"{self.ckpt.directory}/{last}" if last is not None else "none saved yet"
-                    raise NonFiniteError(
-                        f"{self.counts['nonfinite_in_row']} non-finite steps in a row "
-                        f"(train.max_nonfinite_in_row={tc.max_nonfinite_in_row}) at step {self.step}; the "
-                        f"updates were skipped, the last good checkpoint is {where}. Lower "
-                        "train.learning_rate or check the data.")
-                metric = None
-                if self._evaluates(self.step):
-                    last_eval = self.evaluate()
-                    if last_eval is not None:
-                        metric = last_eval["metric"]
-                        mlog.write("eval", self.step, last_eval)
-                        if self.stopper.update(self.step, metric):
-                            stop_reason = self.stopper.reason
-                if self._checkpoints(self.step) or metric is not None or stop_reason:
-                    self.save(metric)
-                    if self.step in kill_after:
-                        self.ckpt.wait()
-                        os.kill(os.getpid(), signal.SIGKILL)
-                if stop_reason:
-                    log.warning("early stop: %s", stop_reason)
+                self._raise_if_nonfinite_in_row()
+                last_eval = self._evaluate_and_save(mlog, kill_after) or last_eval
+                if self.stop_reason:
+                    log.warning("early stop: %s", self.stop_reason)
                     break
         finally:
             prefetch.close()
             bar.close()
             mlog.close()  # first: a save that failed raises again in the wait
             self.ckpt.wait()
-        elapsed = time.perf_counter() - t0
-        summary = {
-            "steps": self.step, "stop_reason": stop_reason or "total_steps reached",
+        summary = self._summary(loss, last_eval, real_tokens, tokens_seen, time.perf_counter() - t0)
+        self.ckpt.close()
+        if jax.process_index() == 0:
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary
+
+    def _summary(self, loss: float, last_eval: dict[str, float] | None, real_tokens: float,
+                 tokens_seen: float, elapsed: float) -> dict[str, Any]:
+        """What a finished run writes to summary.json (and `train` returns)."""
+        return {
+            "steps": self.step, "stop_reason": self.stop_reason or "total_steps reached",
             "final_loss": loss, "last_eval": last_eval, "best_eval_metric": self.stopper.best,
             # Among equal metrics Orbax may keep a later step than the stopper's first best: report the
             # checkpoint that is actually kept.
@@ -503,10 +494,6 @@ class Trainer:
             "batch_split": self.program.student_exe.split_chunks(device_family(jax.devices()[0]),
                                                                  self.mesh.shape["data"]),
         }
-        self.ckpt.close()
-        if jax.process_index() == 0:
-            (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
-        return summary
 
 
 def train(cfg: Config, resume: bool = False) -> dict[str, Any]:
