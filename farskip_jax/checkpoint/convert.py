@@ -446,23 +446,7 @@ def convert_hf_to_orbax(input_dir: str | Path, output_dir: str | Path, *, dtype:
                       params=sum(int(np.prod(s.shape)) for s in specs))
     total = summary.params * itemsize
     if dry_run:
-        log(mapping_table(specs, lambda s: ("float8_e4m3fn" if s.hf_keys[0] in source.scales
-                                            else source.dtype_name(s.hf_keys[0])), dtype))
-        if quantized := source.quantized():
-            patterns: dict[str, int] = {}
-            for k in quantized:
-                pattern = re.sub(r"\.\d+\.", ".*.", re.sub(r"\.\d+\.", ".*.", k))
-                patterns[pattern] = patterns.get(pattern, 0) + 1
-            log(f"\nFP8: {len(quantized)} block-quantized tensors (float8_e4m3fn, blocks of "
-                f"{list(source.fp8_block or ())}, a float32 *_scale_inv per block), dequantized to {dtype} "
-                "while streaming:")
-            for pattern, n in patterns.items():
-                log(f"  {pattern} x {n}")
-        log(f"\n{len(groups)} Orbax groups, {summary.tensors} HF tensors -> {len(specs)} parameters, "
-            f"{summary.params:,} parameters, {total:,} bytes ({total / 1e9:.3f} GB) to write to {out}")
-        largest = largest_group_bytes(groups, itemsize)
-        log(f"largest group (bounds host memory): {largest / 1e9:.3f} GB; FarSkip layers: "
-            f"{list(cfg.farskip.layer_range(cfg.num_layers))}")
+        _log_dry_run(log, source, specs, groups, cfg, dtype, summary, out)
         return summary
     t0 = time.perf_counter()
     np_dt = np_dtype(dtype)
@@ -481,29 +465,7 @@ def convert_hf_to_orbax(input_dir: str | Path, output_dir: str | Path, *, dtype:
             bar.update(done_bytes)
         # One chunk per expert: an EP restore reads only the experts it owns.
         writer = ParamsWriter(tmp, {s.path for s in specs if is_stacked(s)}, compress=compress)
-        # `workers` threads read (disk + layout copies) the next groups while Orbax writes one: at
-        # most workers + 1 groups in memory. Saves stay one at a time, in group order: Orbax runs
-        # one partial save at a time (each stages in the same temporary directory), and a group
-        # counts as written (for --resume) once its own save is committed.
-        with ThreadPoolExecutor(workers, thread_name_prefix="farskip-read") as pool:
-            ahead: collections.deque = collections.deque()
-            queue = iter(todo)
-
-            def read_ahead() -> None:
-                while len(ahead) < workers and (g := next(queue, None)) is not None:
-                    ahead.append(pool.submit(read_group, source, g, np_dt))
-
-            read_ahead()
-            for gi, group in enumerate(todo):
-                tree, nbytes = ahead.popleft().result()
-                read_ahead()
-                bar.set_postfix_str(f"writing {group.name}")
-                writer.add(tree)
-                del tree
-                release_freed_memory()
-                bar.update(nbytes)
-                if gi == 0:
-                    pause_for_tests("group")
+        _read_and_write_groups(source, todo, np_dt, writer, workers, bar)
         writer.finish()
         marker = {"format": FORMAT, "version": VERSION, "dtype": dtype, "item": PARAMS_ITEM,
                   "params": [{"path": list(s.path), "shape": list(s.shape)} for s in specs],
@@ -513,3 +475,55 @@ def convert_hf_to_orbax(input_dir: str | Path, output_dir: str | Path, *, dtype:
     summary.bytes, summary.seconds = total, time.perf_counter() - t0
     log(summary.line(f"wrote {out}:"))
     return summary
+
+
+def _log_dry_run(log: Callable[[str], None], source: TensorSource, specs: list[ParamSpec],
+                 groups: list[Group], cfg: ModelConfig, dtype: str, summary: Summary, out: Path) -> None:
+    """--dry-run: the mapping table, the FP8 tensors and their blocks, and what would be written."""
+    itemsize = np_dtype(dtype).itemsize
+    total = summary.params * itemsize
+    log(mapping_table(specs, lambda s: ("float8_e4m3fn" if s.hf_keys[0] in source.scales
+                                        else source.dtype_name(s.hf_keys[0])), dtype))
+    if quantized := source.quantized():
+        patterns: dict[str, int] = {}
+        for k in quantized:
+            pattern = re.sub(r"\.\d+\.", ".*.", re.sub(r"\.\d+\.", ".*.", k))
+            patterns[pattern] = patterns.get(pattern, 0) + 1
+        log(f"\nFP8: {len(quantized)} block-quantized tensors (float8_e4m3fn, blocks of "
+            f"{list(source.fp8_block or ())}, a float32 *_scale_inv per block), dequantized to {dtype} "
+            "while streaming:")
+        for pattern, n in patterns.items():
+            log(f"  {pattern} x {n}")
+    log(f"\n{len(groups)} Orbax groups, {summary.tensors} HF tensors -> {len(specs)} parameters, "
+        f"{summary.params:,} parameters, {total:,} bytes ({total / 1e9:.3f} GB) to write to {out}")
+    largest = largest_group_bytes(groups, itemsize)
+    log(f"largest group (bounds host memory): {largest / 1e9:.3f} GB; FarSkip layers: "
+        f"{list(cfg.farskip.layer_range(cfg.num_layers))}")
+
+
+def _read_and_write_groups(source: TensorSource, todo: list[Group], np_dt: np.dtype, writer: ParamsWriter,
+                           workers: int, bar: Any) -> None:
+    """Streams the groups `todo` from the HF files into `writer`, in order."""
+    # `workers` threads read (disk + layout copies) the next groups while Orbax writes one: at
+    # most workers + 1 groups in memory. Saves stay one at a time, in group order: Orbax runs
+    # one partial save at a time (each stages in the same temporary directory), and a group
+    # counts as written (for --resume) once its own save is committed.
+    with ThreadPoolExecutor(workers, thread_name_prefix="farskip-read") as pool:
+        ahead: collections.deque = collections.deque()
+        queue = iter(todo)
+
+        def read_ahead() -> None:
+            while len(ahead) < workers and (g := next(queue, None)) is not None:
+                ahead.append(pool.submit(read_group, source, g, np_dt))
+
+        read_ahead()
+        for gi, group in enumerate(todo):
+            tree, nbytes = ahead.popleft().result()
+            read_ahead()
+            bar.set_postfix_str(f"writing {group.name}")
+            writer.add(tree)
+            del tree
+            release_freed_memory()
+            bar.update(nbytes)
+            if gi == 0:
+                pause_for_tests("group")

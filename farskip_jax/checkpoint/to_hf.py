@@ -410,26 +410,44 @@ def convert_orbax_to_hf(input_dir: str | Path, output_dir: str | Path, *, dtype:
         if n > 1:
             (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                 indent=2) + "\n")
-        config_json = hf_config.hf_dict(cfg)
-        if quant:
-            config_json["quantization_config"] = quant
-        stock = config_json["architectures"][0]
-        remote_code, remote_cls = REMOTE_CODE[config_json["model_type"]]
-        if config_json["farskip"]:
-            config_json.update({"architectures": [remote_cls],
-                                "auto_map": {"AutoModelForCausalLM": f"{remote_code.stem}.{remote_cls}"}})
-            shutil.copyfile(remote_code, tmp / remote_code.name)
-        trainer_cfg = trainer_config_dict(src) if reader.kind == "training checkpoint" else None
-        assets = hf_tokenizer.find(src, trainer_cfg)
-        if assets is not None:
-            ids = hf_tokenizer.write(assets, tmp, config_json)
-        else:
-            ids = {}
-            for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
-                config_json.pop(k, None)  # a family default would name a token of another vocabulary
-        (tmp / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+        config_json, assets, ids = _write_config_and_tokenizer(tmp, cfg, src, reader.kind, quant)
     summary.bytes, summary.seconds = total, time.perf_counter() - t0
     log(summary.line(f"wrote {out} ({n} shard(s), {layout}):"))
+    _log_what_serving_needs(log, out, src, cfg, config_json, assets, ids)
+    return summary
+
+
+
+def _write_config_and_tokenizer(
+        tmp: Path, cfg: ModelConfig, src: Path, kind: str, quant: dict[str, Any] | None,
+) -> tuple[dict[str, Any], hf_tokenizer.TokenizerAssets | None, dict[str, int]]:
+    """config.json (for FarSkip with the remote-code class, its modeling file copied beside it) and
+    the files of the tokenizer the checkpoint was trained with, bos/eos/pad ids taken from it. Returns
+    the config written, the tokenizer's assets (None if none was found) and the ids."""
+    config_json = hf_config.hf_dict(cfg)
+    if quant:
+        config_json["quantization_config"] = quant
+    if config_json["farskip"]:
+        remote_code, remote_cls = REMOTE_CODE[config_json["model_type"]]
+        config_json.update({"architectures": [remote_cls],
+                            "auto_map": {"AutoModelForCausalLM": f"{remote_code.stem}.{remote_cls}"}})
+        shutil.copyfile(remote_code, tmp / remote_code.name)
+    trainer_cfg = trainer_config_dict(src) if kind == "training checkpoint" else None
+    assets = hf_tokenizer.find(src, trainer_cfg)
+    if assets is not None:
+        ids = hf_tokenizer.write(assets, tmp, config_json)
+    else:
+        ids = {}
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            config_json.pop(k, None)  # a family default would name a token of another vocabulary
+    (tmp / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+    return config_json, assets, ids
+
+
+def _log_what_serving_needs(log: Callable[[str], None], out: Path, src: Path, cfg: ModelConfig,
+                            config_json: dict[str, Any], assets: hf_tokenizer.TokenizerAssets | None,
+                            ids: dict[str, int]) -> None:
+    """The export's tokenizer (or the warning that it has none) and, for FarSkip, how to load it."""
     if assets is not None:
         written = sorted(p.name for p in out.iterdir() if p.name in hf_tokenizer.TOKENIZER_FILES)
         log(f"tokenizer from {assets.source}: {', '.join(written)}; ids {ids}")
@@ -439,12 +457,12 @@ def convert_orbax_to_hf(input_dir: str | Path, output_dir: str | Path, *, dtype:
             "bos/eos ids; copy the tokenizer's files into it before serving")
     if config_json["farskip"]:
         first, last = config_json["farskip_start_idx"], config_json["farskip_end_idx"]
+        remote_code = REMOTE_CODE[config_json["model_type"]][0]
+        stock = hf_config.hf_dict(cfg)["architectures"][0]  # what transformers builds without remote code
         log(f"warning: FarSkip model (layers {first}..{last}): "
             f"load it with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True), "
             f"which runs {remote_code.name}; without trust_remote_code transformers builds the stock "
             f"{stock}, which ignores the FarSkip keys and runs regular connectivity (a different model)")
-    return summary
-
 
 # By config.json model_type: the modeling file copied into every FarSkip export and its model class,
 # which config.json registers (`auto_map`) so that transformers' Auto classes build the FarSkip model
