@@ -69,10 +69,11 @@ class ExecutionConfig:
     attention_block_q: int = 512
     attention_block_kv: int = 512
     # save_a2a: recompute each layer in the backward pass except the expert-parallel all-to-all
-    # outputs, so Dispatch and Combine are not run again. auto: the trainer (and the inspector)
-    # compile the train step with none, save_a2a, save_dots, full in that order (most kept first)
-    # and run the first whose peak fits the budget below (farskip_jax/train/remat.py).
-    remat: Literal["auto", "none", "full", "save_dots", "save_a2a"] = "none"
+    # outputs, so Dispatch and Combine are not run again; save_dots: except the plain matmuls'
+    # outputs; save_a2a_dots: both. auto: the trainer (and the inspector) compile the train step with
+    # none, save_a2a_dots, save_a2a, save_dots, full in that order (most kept first) and run the
+    # first whose peak fits the budget below (farskip_jax/train/remat.py).
+    remat: Literal["auto", "none", "full", "save_dots", "save_a2a", "save_a2a_dots"] = "none"
     # remat=auto's budget per device: this share of the device's HBM (0.8: XLA's GPU scheduler
     # plans with 80% of device memory itself, and a step past it lost its overlap: BENCHMARKS K4),
     # never above what JAX's allocator may hand out (XLA_PYTHON_CLIENT_MEM_FRACTION). The overflow

@@ -359,6 +359,12 @@ def _maybe_remat(layer: DecoderLayer, policy: str):
         # Keep only what the all-to-alls received: the recomputed forward then needs no collective
         # (backward all-to-alls = the transposes of Dispatch and Combine only).
         kwargs["policy"] = jax.checkpoint_policies.save_only_these_names(*A2A_NAMES)
+    elif policy == "save_a2a_dots":
+        # Both of the above: no exchange and no plain matmul (projections, shared experts, dense
+        # MLPs) runs again; the grouped expert GEMMs and attention kernels (not dot_general) do.
+        kwargs["policy"] = jax.checkpoint_policies.save_from_both_policies(
+            jax.checkpoint_policies.save_only_these_names(*A2A_NAMES),
+            jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
     elif policy == "full":
         # Everything is recomputed but the expert-parallel counts exchange ([G, L+1] int32 per MoE
         # layer): the backward's Combine transpose needs its offsets, and rerunning the counts
@@ -366,7 +372,8 @@ def _maybe_remat(layer: DecoderLayer, policy: str):
         # EP=8 on H200: 24 us of compute under a 200 us transfer in every MoE layer's backward).
         kwargs["policy"] = jax.checkpoint_policies.save_only_these_names(A2A_COUNTS)
     else:
-        raise ValueError(f"remat={policy!r}: expected auto, none, full, save_dots or save_a2a")
+        raise ValueError(f"remat={policy!r}: expected auto, none, full, save_dots, save_a2a or "
+                         "save_a2a_dots")
     return _RematCall(layer, kwargs)
 
 

@@ -1,11 +1,14 @@
 """`execution.remat: auto`: the train step keeps the most activations that fit the device's memory.
 
 Recomputation trades memory for time, and which trade pays depends on the device: the DeepSeek-V2-
-Lite FCSD step at 4 x 4096 tokens per GPU (BENCHMARKS.md K4, est.) peaks at 120.6 / 70.3 / 55.4 /
-43.0 GiB per H200 under none / save_a2a / save_dots / full, and on MI300X `none` (151.9 GiB of 192)
-is the fastest policy by 13%, while on H200 (85.5% of its HBM) it is 6% slower than save_a2a: so
-close to the device's memory XLA's scheduler holds collectives back to stay under its own limit,
-which it plans as 80% of device memory (gpu_hlo_schedule.cc GetSchedulerMemoryLimit).
+Lite FCSD step at 4 x 4096 tokens per GPU (BENCHMARKS.md K4, K15, K17, est.) peaks per H200 at 79.8
+GiB under save_a2a_dots and 68.4 under save_a2a (120.6 / 55.4 / 43.0 under none / save_dots / full,
+compiled before K15's gradient change), and on MI300X `none` (151.9 GiB of 192) is the fastest
+policy by 13%, while on H200 (85.5% of its HBM) it is 6% slower than save_a2a: so close to the
+device's memory XLA's scheduler holds collectives back to stay under its own limit, which it plans
+as 80% of device memory (gpu_hlo_schedule.cc GetSchedulerMemoryLimit). There save_a2a_dots, which
+recomputes neither an exchange nor a plain matmul, is the fastest that fits (est. 761 against 784 ms
+for save_a2a).
 
 So `auto` compiles the step with each policy, most kept first, and runs the first whose compiled
 peak (arguments + outputs - aliased + temporaries, `xla.aot.memory_section`) fits the budget:
@@ -47,7 +50,9 @@ from farskip_jax.distributed import allgather_json
 log = logging.getLogger(__name__)
 
 # Most kept first: each later policy recomputes more and holds less.
-REMAT_BY_MEMORY = ("none", "save_a2a", "save_dots", "full")
+REMAT_BY_MEMORY = ("none", "save_a2a_dots", "save_a2a", "save_dots", "full")
+# Without expert parallelism there is no all-to-all to keep: these policies keep what another does.
+_SAME_WITHOUT_EP = {"save_a2a_dots": "save_dots", "save_a2a": "full"}
 GIB = 2**30
 # A fitting policy whose schedule leaves more of its collective transfer time synchronous than this
 # is compared with the next one (`choose`). Measured (BENCHMARKS K14, deviceless): H200 EP32 `none`
@@ -71,14 +76,14 @@ def with_remat(cfg: Config, policy: str) -> Config:
 def candidates(configured: str, expert_parallel: bool, at_least: str | None = None) -> tuple[str, ...]:
     """The policies to try in order: every one for auto, else the configured one alone; `at_least`
     (the worst-case re-run): only those recomputing at least as much as that one. Without expert
-    parallelism save_a2a keeps what full keeps (there is no all-to-all), so it is not tried."""
+    parallelism save_a2a keeps what full keeps and save_a2a_dots what save_dots keeps (there is no
+    all-to-all), so they are not tried."""
     if configured != "auto" and at_least is None:
         return (configured,)
-    order = REMAT_BY_MEMORY if expert_parallel else tuple(p for p in REMAT_BY_MEMORY if p != "save_a2a")
+    order = tuple(p for p in REMAT_BY_MEMORY if expert_parallel or p not in _SAME_WITHOUT_EP)
     if at_least is None:
         return order
-    if at_least not in order:  # save_a2a without expert parallelism: as full
-        at_least = "full"
+    at_least = at_least if at_least in order else _SAME_WITHOUT_EP[at_least]
     return order[order.index(at_least):]
 
 

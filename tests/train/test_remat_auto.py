@@ -19,13 +19,17 @@ GIB = 2**30
 
 
 def test_candidates_most_kept_first():
-    assert remat.candidates("auto", expert_parallel=True) == ("none", "save_a2a", "save_dots", "full")
-    # one device: no all-to-all, so save_a2a would keep what full keeps
+    assert remat.candidates("auto", expert_parallel=True) == (
+        "none", "save_a2a_dots", "save_a2a", "save_dots", "full")
+    # one device: no all-to-all, so save_a2a would keep what full keeps, save_a2a_dots what save_dots
     assert remat.candidates("auto", expert_parallel=False) == ("none", "save_dots", "full")
     assert remat.candidates("save_dots", expert_parallel=True) == ("save_dots",)
     # the worst-case re-run: never less recomputation than the bounded step's policy
     assert remat.candidates("none", True, at_least="save_a2a") == ("save_a2a", "save_dots", "full")
+    assert remat.candidates("none", True, at_least="save_a2a_dots") == ("save_a2a_dots", "save_a2a",
+                                                                        "save_dots", "full")
     assert remat.candidates("auto", False, at_least="save_a2a") == ("full",)
+    assert remat.candidates("auto", False, at_least="save_a2a_dots") == ("save_dots", "full")
 
 
 def test_budget():
@@ -39,7 +43,7 @@ def test_budget():
 
 
 def test_choose_compiles_until_one_fits(caplog):
-    peaks = {"none": 10, "save_a2a": 6, "save_dots": 5, "full": 4}
+    peaks = {"none": 10, "save_a2a_dots": 8, "save_a2a": 6, "save_dots": 5, "full": 4}
     compiled: list[str] = []
 
     def compile_peak(policy):
@@ -48,8 +52,9 @@ def test_choose_compiles_until_one_fits(caplog):
 
     policies = remat.candidates("auto", True)
     choice = remat.choose(policies, compile_peak, budget=6)
-    assert (choice.policy, choice.compiled, compiled) == ("save_a2a", "exe-save_a2a", ["none", "save_a2a"])
-    assert choice.peaks == {"none": 10, "save_a2a": 6} and choice.fits
+    assert (choice.policy, choice.compiled, compiled) == ("save_a2a", "exe-save_a2a",
+                                                          ["none", "save_a2a_dots", "save_a2a"])
+    assert choice.peaks == {"none": 10, "save_a2a_dots": 8, "save_a2a": 6} and choice.fits
 
     compiled.clear()
     choice = remat.choose(policies, compile_peak, budget=None)  # nothing known: none, nothing compiled
@@ -71,7 +76,7 @@ def test_choose_compares_a_schedule_held_back_by_memory(caplog):
     """A policy that fits but whose schedule XLA left largely synchronous (H200 EP32 `none`) is
     compared with the next policy that fits, by estimated step; below the threshold nothing more
     is compiled."""
-    peaks = {"none": 9, "save_a2a": 12, "save_dots": 5, "full": 4}
+    peaks = {"none": 9, "save_a2a_dots": 13, "save_a2a": 12, "save_dots": 5, "full": 4}
     policies = remat.candidates("auto", True)
 
     def run(schedules):
@@ -87,16 +92,18 @@ def test_choose_compares_a_schedule_held_back_by_memory(caplog):
         return choice, compiled
 
     sched = remat.Schedule
-    # none fits but 31% of its collective time is synchronous; save_a2a does not fit; save_dots is faster
+    # none fits but 31% of its collective time is synchronous; save_a2a(_dots) does not fit; save_dots
+    # is faster
     choice, compiled = run({"none": sched(0.31, 1433e3), "save_dots": sched(0.0, 1392e3)})
     assert (choice.policy, choice.compiled) == ("save_dots", "save_dots")
-    assert compiled == ["none", "save_a2a", "save_dots"]
+    assert compiled == ["none", "save_a2a_dots", "save_a2a", "save_dots"]
     assert ("none est. 1433.0 ms (31% of collective time synchronous) against save_dots est. 1392.0 ms"
             in caplog.text)
     # ... unless the held-back schedule is still the faster one: then it runs, all peaks recorded
     choice, compiled = run({"none": sched(0.31, 1300e3), "save_dots": sched(0.0, 1392e3)})
-    assert (choice.policy, choice.compiled, compiled) == ("none", "none", ["none", "save_a2a", "save_dots"])
-    assert list(choice.peaks) == ["none", "save_a2a", "save_dots"] and choice.fits
+    assert (choice.policy, choice.compiled) == ("none", "none")
+    assert compiled == list(choice.peaks) == ["none", "save_a2a_dots", "save_a2a", "save_dots"]
+    assert choice.fits
     assert choice.estimates == {"none": 1300e3, "save_dots": 1392e3}
     assert "est. none 1300.0 ms; est. save_dots 1392.0 ms" in choice.describe()
     # under the threshold (or no schedule known: CPU) the first fit runs, nothing more compiled
@@ -175,7 +182,8 @@ def test_memo_key_and_record(tmp_path, caplog):
     assert record["policy"] == "save_dots" and record["peaks"] == {"none": 12 * GIB, "save_dots": 5 * GIB}
     assert remat.remembered(memo, "worst_case", key) is None
     assert remat.remembered(memo, "bounded", "another key") is None
-    assert remat._resume_from(remat.candidates("auto", True), record) == 2
+    policies = remat.candidates("auto", True)
+    assert remat._resume_from(policies, record) == policies.index("save_dots")
     assert remat._resume_from(remat.candidates("auto", True, at_least="full"), record) == 0
     memo.write_text("{not json")
     with caplog.at_level(logging.WARNING):
