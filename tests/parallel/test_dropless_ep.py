@@ -146,9 +146,10 @@ CASES = {"ep8": ("ep8", {}, 0), "ep8_save_a2a": ("ep8", {"remat": "save_a2a"}, 0
          # the node-aware two-stage exchange (parallel/node_aware.py): every token on one node
          "ep8_nodes2x4": ("ep8", {}, 4), "ep8_nodes4x2_save_a2a": ("ep8", {"remat": "save_a2a"}, 2),
          "dp2xep4_nodes2x2": ("dp2xep4", {}, 2)}
-# `slow` (CI time budget): the default suite keeps the flat EP8 and TP8 exchanges and the two
-# node-aware cases, which also cover `save_a2a` and the data axis; the padded expert matmul is
-# checked against the blocked one in tests/model/test_grouped_matmul.py.
+# `slow` (CI time budget): the default suite keeps the flat EP8 and TP8 exchanges, `save_a2a_dots`
+# (what remat=auto runs on H200) and the two node-aware cases, which also cover `save_a2a` and the
+# data axis; the padded expert matmul is checked against the blocked one in
+# tests/model/test_grouped_matmul.py.
 SLOW_CASES = {"ep8_save_a2a", "ep8_nodes2x4", "dp2xep4", "ep8_padded_matmul"}
 
 
