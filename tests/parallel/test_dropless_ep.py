@@ -244,7 +244,8 @@ def _abstract(state, shardings):
 
 def test_save_a2a_backward_runs_no_extra_all_to_all():
     """Compiled EP=8 step of a tiny 3-layer model (2 MoE layers): all-to-all, all-gather and dot
-    instructions under each remat policy."""
+    instructions under each remat policy (the forward-only program does not depend on it: compiled
+    once)."""
     mesh = make_mesh(MeshConfig(expert=8))
     par = ExpertParallel(mesh)
     counts = {}
@@ -257,7 +258,8 @@ def test_save_a2a_backward_runs_no_extra_all_to_all():
         def loss(s, i, graphdef=graphdef):
             return jnp.mean(nnx.merge(graphdef, s)(i, parallel=par).logits ** 2)
 
-        for name, fn in (("fwd", loss), ("fwd+bwd", jax.grad(loss))):
+        programs = ((("fwd", loss),) if remat == "full" else ()) + (("fwd+bwd", jax.grad(loss)),)
+        for name, fn in programs:
             text = jax.jit(fn).lower(*args).compile(FAST).as_text()
             counts[remat, name, "all-to-all"] = count_ops(text, "all-to-all")
             counts[remat, name, "dot"] = count_ops(text, "dot")
@@ -265,12 +267,13 @@ def test_save_a2a_backward_runs_no_extra_all_to_all():
             counts[remat, name, "counts all-gather"] = len(re.findall(
                 r"\n\s*(?:ROOT )?%\S+ = s32\[8,8,\d+\]\S* all-gather(?:-start)?\(", text))
     print(f"PARALLEL_A2A_COUNTS {counts}")
-    fwd = counts["save_a2a", "fwd", "all-to-all"]
-    assert fwd == counts["full", "fwd", "all-to-all"] == 2 * 2  # per MoE layer: Dispatch, Combine
+    fwd = counts["full", "fwd", "all-to-all"]
+    assert fwd == 2 * 2  # per MoE layer: Dispatch, Combine
     # the row counts are all-gathered (every rank sees every pair's counts: overflow is detected
     # from them), once per MoE layer, and never again in the backward pass
+    assert counts["full", "fwd", "counts all-gather"] == 2
     for remat in policies:
-        assert counts[remat, "fwd", "counts all-gather"] == counts[remat, "fwd+bwd", "counts all-gather"] == 2
+        assert counts[remat, "fwd+bwd", "counts all-gather"] == 2
     for remat in ("save_a2a", "save_a2a_dots"):
         assert counts[remat, "fwd+bwd", "all-to-all"] == fwd + 2 * 2  # backward: the two transposes
     # full reruns the forward's Dispatch and Combine in the backward pass
