@@ -101,9 +101,11 @@ class ExecutionConfig:
     # Single-device and expert-parallel paths (ignored under tensor parallelism): split each device's
     # sequences into this many equal chunks that run through every layer as separate streams, so
     # one chunk's all-to-alls can hide under another chunk's compute (MaxText's "batch split").
-    # Lossless: sequences are independent, and capacity is counted per sequence. auto: by the
-    # device the step runs on and the mesh's data axis (`split_chunks`).
-    batch_split: int | Literal["auto"] = 1
+    # Lossless: sequences are independent, and capacity is counted per sequence. 1 (one stream) is
+    # the fastest setting measured for the DeepSeek-V2-Lite FCSD step on every target and mesh since
+    # `remat: save_a2a_dots` (est., BENCHMARKS K18): the split's smaller GEMMs cost more compute than
+    # the overlap it adds, and with a data axis it runs each expert gradient's all-reduce per chunk.
+    batch_split: int = 1
     # Stagger the batch chunks with optimization barriers (model/farskip.py residual_step_chunks):
     # chunk 1's attention beside chunk 0's MoE. Off (default): the chunks are independent and XLA
     # orders them, which hid more of FarSkip's all-to-alls; on hid more under regular connectivity
@@ -112,7 +114,7 @@ class ExecutionConfig:
 
     def validate(self) -> None:
         for name in ("attention_block_q", "attention_block_kv", "tp_microbatches", "batch_split"):
-            if getattr(self, name) != "auto" and getattr(self, name) <= 0:
+            if getattr(self, name) <= 0:
                 raise ConfigError(f"execution.{name} must be > 0, got {getattr(self, name)}")
         if not 0 < self.remat_hbm_fraction <= 1:
             raise ConfigError(f"execution.remat_hbm_fraction must be in (0, 1], got "
@@ -133,20 +135,6 @@ class ExecutionConfig:
         if self.batch_split != 1 and self.layer_loop == "scan":
             raise ConfigError(f"execution.batch_split={self.batch_split} needs execution.layer_loop=unrolled "
                               "(the chunks of one layer interleave with those of the next)")
-
-    def split_chunks(self, device_family: str, data_shards: int = 1) -> int:
-        """The batch split on a device of `device_family` (cpu, cuda, rocm) in a mesh whose `data`
-        axis has `data_shards` devices. auto: 2 on CUDA without a data axis, else 1. Est.,
-        DeepSeek-V2-Lite FCSD at 4 x 4096 tokens per GPU (BENCHMARKS K4, K12): on 8 H200, whose step
-        XLA schedules by its own cost model, the split keeps FarSkip's backward exchanges under
-        compute (one stream exposes more of them than regular connectivity does) at no cost (798 vs
-        800 ms); on MI300X, scheduled by the synthetic profile, FarSkip hides its exchanges in one
-        stream and the split only adds compute (513 vs 534 ms); with a data axis the split also
-        doubles the expert weights' gradient all-reduces over it (64 H200 as data=8 x expert=8:
-        913 ms in one stream, 1042 ms split); CPU has nothing to hide."""
-        if self.batch_split == "auto":
-            return 2 if device_family == "cuda" and data_shards == 1 else 1
-        return self.batch_split
 
     def dropless(self) -> ExecutionConfig:
         """The same way of running without a capacity drop: what the FCSD teacher and inference run."""

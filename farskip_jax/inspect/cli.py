@@ -410,18 +410,6 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"grouped GEMMs priced at {args.grouped_fill:.4g} of their rows "
           f"(--moe-load {args.moe_load})")
     args.expert_per_node = cfg.mesh.expert_per_node if ep else None
-    if ep and cfg.execution.batch_split == "auto":
-        from farskip_jax import targets
-        from farskip_jax.platforms import device_family
-
-        family = targets.PLATFORMS.get(args.target)
-        if family is None:  # --target local: this machine's devices
-            import jax
-
-            family = device_family(jax.devices()[0])
-        split = cfg.execution.split_chunks(family, mesh["data"])
-        print(f"inspect: execution.batch_split=auto: {split} on {args.target} with data={mesh['data']} "
-              "(modes named _bsN set their own)")
     t0 = time.perf_counter()
     reports = run_inspect(args, build, _useful_flops(cfg, args, ep))
     print(f"inspect: done in {time.perf_counter() - t0:.1f}s -> {args.out}")

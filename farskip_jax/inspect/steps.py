@@ -51,9 +51,9 @@ def config_for(cfg: Config, mode: str) -> Config:
 def four_modes(cfg: Config) -> list[str]:
     """``--compare four``: the paper's baseline (regular, one stream), regular + batch split,
     FarSkip, FarSkip + batch split; the split is the config's own (`execution.batch_split`) when it
-    names one, else 2 (what `auto` splits into where it splits)."""
+    splits, else 2."""
     split = cfg.execution.batch_split
-    n = split if split != "auto" and split > 1 else 2
+    n = split if split > 1 else 2
     return ["regular_bs1", f"regular_bs{n}", "farskip_bs1", f"farskip_bs{n}"]
 
 

@@ -39,7 +39,6 @@ from farskip_jax.model.gqa_attention import GQAttention, KVCache
 from farskip_jax.model.layers import DTYPES, MLP, RMSNorm, normal_init
 from farskip_jax.model.moe import MoE, RoutedFn, local_routed
 from farskip_jax.parallel.grad_sync import batch_mesh, per_batch_shard
-from farskip_jax.platforms import device_family, target_device
 
 
 class Parallelism(Protocol):
@@ -214,9 +213,8 @@ class Transformer(nnx.Module):
             join = _concat
         # Batch chunks (single device, expert parallelism): whole sequences, positions and segments
         # with them; each device's sequences are split, so a chunk stays on its devices.
-        elif reduce is None and (split := exe.split_chunks(device_family(target_device()),
-                                                           _data_shards(parallel))) > 1:
-            chunks = split
+        elif reduce is None and exe.batch_split > 1:
+            chunks = exe.batch_split
             shards = getattr(parallel, "batch_shards", 1)
             if b % (shards * chunks):
                 raise ValueError(f"execution.batch_split={chunks} does not divide the {b // shards} "
@@ -326,12 +324,6 @@ def run_streams(streams: list[Generator[Any, Any, ModelOutput]], join: bool = Tr
 def _concat(chunks: list[jax.Array]) -> jax.Array:
     """Token chunks (axis 1) back into one array."""
     return jnp.concatenate(chunks, axis=1)
-
-
-def _data_shards(parallel: Any) -> int:
-    """Devices of the mesh's `data` axis under `parallel` (1 without one: a single device)."""
-    mesh = getattr(parallel, "mesh", None)
-    return int(mesh.shape.get("data", 1)) if mesh is not None else 1
 
 
 def _split_batch(v: jax.Array, chunks: int, shards: int) -> list[jax.Array]:

@@ -27,7 +27,6 @@ from farskip_jax.checkpoint.manager import CheckpointManager
 from farskip_jax.config import Config, to_dict
 from farskip_jax.distributed import allgather_json
 from farskip_jax.errors import UserError
-from farskip_jax.platforms import device_family
 from farskip_jax.train import batches, remat, scheduled_step, setup
 from farskip_jax.train.early_stop import EarlyStopper
 from farskip_jax.train.metrics_log import MetricsLog
@@ -491,8 +490,7 @@ class Trainer:
             "loss_tokens": tokens_seen, "wall_s": elapsed, **self.counts, **self._host_gap(),
             "remat": self.program.student_exe.remat,
             "expert_per_node": self.parallel.expert_per_node if self.parallel is not None else 0,
-            "batch_split": self.program.student_exe.split_chunks(device_family(jax.devices()[0]),
-                                                                 self.mesh.shape["data"]),
+            "batch_split": self.program.student_exe.batch_split,
         }
 
 

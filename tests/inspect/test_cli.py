@@ -112,14 +112,15 @@ def test_compare_four_modes_and_their_user_errors(capsys: pytest.CaptureFixture[
     from farskip_jax.inspect import steps
 
     dsv2 = load_config("dsv2lite_farskip")
-    assert dsv2.execution.batch_split == "auto" and dsv2.model.farskip.enabled
+    assert dsv2.execution.batch_split == 1 and dsv2.model.farskip.enabled
     assert steps.four_modes(dsv2) == ["regular_bs1", "regular_bs2", "farskip_bs1", "farskip_bs2"]
     base = steps.config_for(dsv2, "regular_bs1")
     assert (base.execution.batch_split, base.model.farskip.enabled) == (1, False)
     split = steps.config_for(dsv2, "farskip_bs4")
     assert (split.execution.batch_split, split.model.farskip.enabled) == (4, True)
     # --compare-regular: the config's own split
-    assert steps.config_for(dsv2, "regular").execution.batch_split == "auto"
+    assert steps.config_for(dsv2, "farskip_bs2").model == dsv2.model
+    assert steps.config_for(dsv2, "regular").execution == dsv2.execution
     tiny = load_config("tiny")
     assert tiny.execution.batch_split == 1 and steps.four_modes(tiny)[-1] == "farskip_bs2"
     with pytest.raises(ValueError):

@@ -21,13 +21,13 @@ REDUCED = ["model.num_layers=3", "model.vocab_size=8192", "execution.remat=none"
            "execution.ep_exchange=padded", "execution.capacity_factor=1.25", "execution.batch_split=1"]
 # The production path: the same 3-layer reduction with everything else as `train.py --config
 # dsv2lite_farskip` runs it on 8 H200 (exactly dropless with the bounded ragged exchange, the
-# grouped-GEMM and attention kernels, batch split 2 (`auto` on CUDA), remat save_a2a), 2 sequences
-# per device so that the split runs. With one stream instead, XLA's scheduler leaves FarSkip's
-# backward exchanges with less compute under them than regular's (BENCHMARKS K12). remat is pinned
-# to what `execution.remat: auto` picks for the full-size step on H200 (save_a2a: none peaks at
-# 120.6 GiB, over the 112.8 GiB budget; BENCHMARKS K4): three layers would fit none, a program
-# train.py does not run on H200 at full size.
-PRODUCTION = ["model.num_layers=3", "model.vocab_size=8192", "execution.remat=save_a2a"]
+# grouped-GEMM and attention kernels, one stream), 2 sequences per device. remat is pinned to what
+# `execution.remat: auto` picks for the full-size step on H200 (save_a2a_dots: none peaks at
+# 120.1 GiB, over the 112.8 GiB budget; BENCHMARKS K17): three layers would fit none, a program
+# train.py does not run on H200 at full size. (Under save_a2a, K12, one stream left FarSkip's
+# backward exchanges with less compute under them than regular's; under save_a2a_dots it is the
+# batch split that loses FarSkip's advantage at this shape, K18.)
+PRODUCTION = ["model.num_layers=3", "model.vocab_size=8192", "execution.remat=save_a2a_dots"]
 SEQ = 4096
 
 
@@ -78,19 +78,21 @@ def _kind(report: dict, kind: str) -> list[dict]:
 
 def test_production_step_farskip_exposes_less_exchange_time_than_regular(production_reports):
     """FarSkip's claim on the step `train.py` runs, against regular connectivity with the same
-    execution (batch split, kernels, buffers): less exposed all-to-all time, no synchronous
-    exchange, more of all collective time hidden. Measured on jaxlib 0.12 (H200, deviceless): ragged
-    all-to-all exposed 764 us vs 1068 us (0.72x; hidden 76.2% vs 66.8%), all collectives 64.4% vs
-    55.1% hidden, regular has one synchronous exchange (a backward one). The bar, 0.85x, leaves
-    room for schedule noise of a compiler update and still fails if FarSkip's advantage halves.
-    What neither hides: with the batch split, each layer's first forward Dispatch (chunk 0's, 200
-    us of 201) runs with nothing under it in both."""
+    execution (kernels, buffers, one stream): less exposed all-to-all time, no synchronous exchange,
+    more of all collective time hidden. Measured on jaxlib 0.12 (H200, deviceless, save_a2a_dots):
+    ragged all-to-all exposed 1027 us vs 1739 us (0.59x; hidden 67.6% vs 45.2%), all collectives
+    60.9% vs 46.1% hidden. The bar, 0.85x, leaves room for schedule noise of a compiler update and
+    still fails if FarSkip's advantage halves. Where the two differ: regular's forward exchanges
+    run with 0.5-29 us of compute under 396 us each (its MoE waits for the attention before it);
+    FarSkip's forward Combines 60-100% hidden, its Dispatches 24-36% (the router and shared expert
+    under them). With the batch split (2 x 1 sequence) the two tie at this shape: 718 vs 723 us
+    (BENCHMARKS K18)."""
     far, reg = production_reports["farskip"]["totals"], production_reports["regular"]["totals"]
     f_x, r_x = far["by_kind"]["ragged-all-to-all"], reg["by_kind"]["ragged-all-to-all"]
     print(f"OVERLAP production train ragged a2a exposed: farskip {f_x['sim_exposed_us']:.0f} us, regular "
           f"{r_x['sim_exposed_us']:.0f} us; all hidden {far['all']['sim_hidden_frac']:.3f} vs "
           f"{reg['all']['sim_hidden_frac']:.3f}")
-    chunks = load_config("dsv2lite_farskip").execution.split_chunks("cuda")
+    chunks = load_config("dsv2lite_farskip").execution.batch_split
     assert_farskip_exposes_less(far, reg, chunks=chunks)
 
 

@@ -71,11 +71,11 @@ def test_mi300x_production_train_step_farskip_exposes_less_than_regular(tmp_path
     """FarSkip's claim on the MI300X target for the step `train.py` runs, from a clean environment:
     the reduced DSV2-Lite step (3 layers, 8192-token vocabulary, 2 x 1024 tokens per device) with
     the production execution (bounded ragged dropless exchange, hipBLASLt grouped GEMM, the
-    Pallas-Triton attention, one stream (`execution.batch_split: auto` on ROCm), the synthetic PGLE
+    Pallas-Triton attention, one stream (`execution.batch_split: 1`), the synthetic PGLE
     profile, `execution.remat: auto`, which keeps every activation here as it does for the
     full-size step on MI300X), FarSkip vs regular with the same execution. Measured on jaxlib 0.12:
     ragged all-to-all exposed 251.6 vs 378.9 us (0.66x), all collectives 56.7% vs 49.1% hidden
-    (batch split 2, before `auto`: 134.1 vs 204.4 us, also 0.66x). Bar 0.85x as on H200
+    (batch split 2: 134.1 vs 204.4 us, also 0.66x). Bar 0.85x as on H200
     (tests/inspect/test_model_overlap.py)."""
     out = tmp_path / "insp"
     env = {"HOME": os.environ.get("HOME", "/root"), "PATH": "/usr/bin:/bin"}
@@ -93,7 +93,7 @@ def test_mi300x_production_train_step_farskip_exposes_less_than_regular(tmp_path
           f"regular {r_x['sim_exposed_us']:.1f} us")
     from farskip_jax.config import load_config
 
-    chunks = load_config("dsv2lite_farskip").execution.split_chunks("rocm")
+    chunks = load_config("dsv2lite_farskip").execution.batch_split
     assert_farskip_exposes_less(far, reg, chunks=chunks)
 
 

@@ -118,25 +118,6 @@ def test_split_moves_no_data_between_devices():
     assert jnp.array_equal(joined, x * jnp.array([1.0, 2.0] * (B // 2))[:, None, None])
 
 
-@pytest.mark.parametrize("family, mesh_cfg, chunks", [
-    ("cuda", MeshConfig(expert=8), 2), ("cuda", MeshConfig(data=2, expert=4), 1),
-    ("rocm", MeshConfig(expert=8), 1), ("cpu", MeshConfig(expert=8), 1)])
-def test_auto_split_by_device_and_data_axis(data, monkeypatch, family, mesh_cfg, chunks):
-    """`batch_split: auto` as the traced program sees it: the model reads the family of the device it
-    is traced for and the mesh's data axis (`ExecutionConfig.split_chunks`)."""
-    from farskip_jax.model import transformer
-
-    ids, _ = data
-    monkeypatch.setattr(transformer, "device_family", lambda device: family)
-    par = ExpertParallel(make_mesh(mesh_cfg))
-
-    def exchanges(split_as) -> int:  # the routed experts' shard_maps: two per MoE layer and chunk
-        model = nnx.merge(*split(_cfg(True), exe=_exe(batch_split=split_as)))
-        return str(jax.make_jaxpr(lambda i: model(i, parallel=par).logits)(ids)).count("shard_map[")
-
-    assert exchanges("auto") == exchanges(chunks) != exchanges(3 - chunks)
-
-
 def test_batch_not_divisible(data):
     ids, _ = data
     model = nnx.merge(*split(_cfg(False), exe=_exe(batch_split=3)))

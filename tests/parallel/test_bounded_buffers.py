@@ -93,10 +93,10 @@ def test_bounded_exchange(setup, monkeypatch, exchange, mesh_shape, kind):
 
 
 def test_buffer_rows_of_the_dsv2lite_step():
-    """EP=8 on H200, batch split 2: 8192 tokens per chunk and rank, top-6 of 64 experts (8 per rank)."""
+    """EP=8, one stream: 16384 tokens per rank, top-6 of 64 experts (8 per rank)."""
     cfg = load_config("dsv2lite_farskip")
     model, exe = cfg.model, cfg.execution
-    tokens = 4 * 4096 // exe.split_chunks("cuda")
+    tokens = 4 * 4096 // exe.batch_split
     buf = moe_buffer(model, exe, tokens, ranks=8, seq_len=4096, sources=8)
     assert buf.worst == 8 * tokens * 6  # every source sends all of its rows to one rank
     assert buf.balanced == 8 * tokens * 6 / 8

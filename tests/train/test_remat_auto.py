@@ -198,11 +198,10 @@ def _losses(out) -> list[float]:
 
 def test_trainer_runs_the_executable_it_checked(tiny_data, overrides, tmp_path):
     """A budget `none` fits: one compile, whose executable the loop then runs (no second compile
-    of the jitted step), and the run trains. (`batch_split: auto`, as the DSV2-Lite config has it,
-    is one stream on CPU.)"""
+    of the jitted step), and the run trains."""
     cfg = load_config("tiny_farskip", overrides(tiny_data, tmp_path / "fits", **{
         "train.total_steps": 2, "train.eval_every": 100, "train.checkpoint_every": 100,
-        "execution.remat": "auto", "execution.remat_budget_gib": 1.0, "execution.batch_split": "auto"}))
+        "execution.remat": "auto", "execution.remat_budget_gib": 1.0}))
     tr = trainer_mod.Trainer(cfg)
     summary = tr.run()
     assert list(tr.remat_choice.peaks) == ["none"] and summary["remat"] == "none"
