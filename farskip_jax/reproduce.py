@@ -567,9 +567,10 @@ def _overlap_md(out: Path, note: str, reps: dict[str, Any] | None) -> list[str]:
         md += ["`python -m farskip_jax inspect --config dsv2lite_farskip --target h200 --mode train "
                "--compare-regular`: the trainer's `lm` step (forward, backward, AdamW with ZeRO-1) at the "
                "config's defaults (exactly dropless MoE in bounded receive buffers, ragged Dispatch/Combine, "
-               "tokamax's grouped GEMM and flash attention, `execution.remat` and `execution.batch_split` "
-               "as `auto` resolves them for H200, the same for both rows), EP=8, 4 x 4096 tokens per "
-               "GPU. `ragged-all-to-all` rows are the Dispatch and Combine; `all-to-all` rows are the "
+               "tokamax's grouped GEMM and flash attention, `execution.remat` as `auto` resolves it for "
+               "H200, one stream, the same for both rows: regular is the paper's baseline), EP=8, 4 x 4096 "
+               "tokens per GPU. "
+               "`ragged-all-to-all` rows are the Dispatch and Combine; `all-to-all` rows are the "
                "few-hundred-byte row-count exchanges before them.", "",
                "| collectives | regular hidden | FarSkip hidden |", "|---|---:|---:|"]
         md += [f"| {g} | {100 * hr[g]:.1f}% | {100 * hf[g]:.1f}% |" for g in groups]
@@ -580,9 +581,9 @@ def _overlap_md(out: Path, note: str, reps: dict[str, Any] | None) -> list[str]:
                "collective and compute times, not a measurement (`compare.md`; trace: "
                "`report_farskip.trace.json.gz`, open in ui.perfetto.dev). On one node of H200 the step is "
                "compute-bound (the exchanges over NVLink are a small share of it), so hiding more of "
-               "them moves the step less than the paper's +11%; BENCHMARKS.md K4 and K17 compare the FCSD "
-               "step with the paper's baseline (regular, no batch split), and K6-K16 the multi-node rows, "
-               "where the exchanges cross the NICs.",
+               "them moves the step less than the paper's +11%; BENCHMARKS.md K4, K17 and K18 compare the "
+               "FCSD step with the paper's baseline (regular, no batch split), and K6-K16 and K18 the "
+               "multi-node rows, where the exchanges cross the NICs.",
                "![overlap](overlap.png)", ""]
         import matplotlib.pyplot as plt
 
