@@ -88,6 +88,35 @@ def _layer_plan(cfg: ModelConfig) -> list[dict[str, Any]]:
             for (ffn, attn, conn), ls in groups.items()]
 
 
+# Expert ranks per node assumed for `mesh.expert_per_node: auto` (describe sees no devices): the
+# 8 GPUs of an H200 or MI300X node.
+GPUS_PER_NODE = 8
+
+
+def train_nodes(train: Config, mesh: dict[str, int]) -> int:
+    """Expert ranks per node of the training mesh: mesh.expert_per_node, or GPUS_PER_NODE for auto
+    where the expert axis spans whole nodes of them; 0 where it stays on one node."""
+    per = train.mesh.expert_per_node
+    if per == "auto":
+        per = GPUS_PER_NODE if mesh["expert"] > GPUS_PER_NODE and mesh["expert"] % GPUS_PER_NODE == 0 else 0
+    return per if 0 < per < mesh["expert"] else 0
+
+
+def _teacher_copies_per_device(train: Config, expert: int, routed_bytes: float) -> float:
+    """The teacher's routed elements per device over `routed` beyond routed / expert, as a fraction
+    of `routed`: 1 / per_node - 1 / expert when `mesh.teacher_experts` puts them inside each node
+    (train/program.py:with_teacher_layout's rule), else 0."""
+    from farskip_jax.train.program import TEACHER_COPY_LIMIT
+
+    per = train_nodes(train, {"expert": expert})
+    if not per or train.mesh.teacher_experts == "expert":
+        return 0.0
+    extra = 1 / per - 1 / expert
+    if train.mesh.teacher_experts == "auto" and routed_bytes * extra > TEACHER_COPY_LIMIT:
+        return 0.0
+    return extra
+
+
 def describe(cfg: ModelConfig, mesh: dict[str, int], train: Config | None = None) -> dict[str, Any]:
     """The description as a dict (what `--json` prints)."""
     from farskip_jax import hf_config
@@ -134,10 +163,15 @@ def describe(cfg: ModelConfig, mesh: dict[str, int], train: Config | None = None
         replicated = sum(per_device(s.path, s.shape) for s in specs if not _is_routed(s.path))
         owned = weights - replicated + (replicated / devices if train.train.zero1 else replicated)
         state = owned * DTYPE_BYTES[cfg.param_dtype] + 2 * 4 * owned
+        teacher = ""
         if train.train.mode == "fcsd":
-            state += weights * DTYPE_BYTES[train.train.teacher_dtype]
+            t_bytes = DTYPE_BYTES[train.train.teacher_dtype]
+            copies = _teacher_copies_per_device(train, mesh["expert"], routed * t_bytes)
+            state += (weights + routed * copies) * t_bytes
+            teacher = ", FCSD teacher"
+            if copies:
+                teacher += f" with its routed experts in each node of {train_nodes(train, mesh)} ranks"
         out["training_state_bytes_per_device"] = state
-        teacher = ", FCSD teacher" if train.train.mode == "fcsd" else ""
         out["training_state_parts"] = "weights, AdamW moments" + teacher
     return out
 

@@ -190,6 +190,17 @@ def run_inspect(args: argparse.Namespace, build_step: BuildStep,
             what = (f"node-aware exchange, {args.mesh['expert'] // per_node} nodes of {per_node} expert ranks"
                     if per_node else "flat exchange")
             print(f"inspect: mesh.expert_per_node=auto: {per_node} on {args.target} ({what})")
+        if getattr(args, "teacher_experts", None) is not None and per_node:
+            from farskip_jax.parallel import ExpertParallel
+            from farskip_jax.train.program import teacher_copy_bytes, with_teacher_layout
+
+            setting, t_abs = args.teacher_experts
+            par = ExpertParallel(mesh, expert_per_node=per_node)
+            inside = with_teacher_layout(par, setting, t_abs).teacher_in_node
+            exchange_meta["teacher_experts"] = "node" if inside else "expert"
+            print(f"inspect: mesh.teacher_experts={setting}: the FCSD teacher's routed experts "
+                  + (f"inside each node of {per_node} (+{teacher_copy_bytes(t_abs, par) / 2**30:.2f} GiB per "
+                     "device), its exchanges off the NICs" if inside else "over the whole expert axis"))
     reports: dict[str, Any] = {}
     analyses: dict[str, Any] = {}
     for mode in modes:
@@ -410,6 +421,12 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"grouped GEMMs priced at {args.grouped_fill:.4g} of their rows "
           f"(--moe-load {args.moe_load})")
     args.expert_per_node = cfg.mesh.expert_per_node if ep else None
+    args.teacher_experts = None
+    if ep and args.mode == "fcsd":
+        from farskip_jax.train.program import abstract_params, teacher_config, teacher_execution
+
+        args.teacher_experts = (cfg.mesh.teacher_experts,
+                                abstract_params(teacher_config(cfg), teacher_execution(cfg))[1])
     t0 = time.perf_counter()
     reports = run_inspect(args, build, _useful_flops(cfg, args, ep))
     print(f"inspect: done in {time.perf_counter() - t0:.1f}s -> {args.out}")

@@ -65,7 +65,7 @@ from farskip_jax.model.dispatch import (
     weighted_sum,
 )
 from farskip_jax.model.moe import RoutedExperts, Routing, SharedFn
-from farskip_jax.parallel.mesh import BATCH_AXES
+from farskip_jax.parallel.mesh import BATCH_AXES, param_specs_tree
 from farskip_jax.platforms import device_family
 from farskip_jax.xla.links import BALANCED_ROWS_ATTR
 
@@ -80,6 +80,21 @@ def resolve_exchange(mode: str, mesh: Mesh) -> str:
     return mode
 
 
+def tile_per_node(params: Any, nodes: int) -> Any:
+    """`params` with each routed-expert stack (what the EP layout splits over `expert`) repeated
+    `nodes` times along its expert axis, the layout of `ExpertParallel.experts_in_node`: split over
+    the expert axis as usual, node c's ranks hold copy c. Arrays or ShapeDtypeStructs."""
+
+    def tile(x: Any, spec: P) -> Any:
+        if "expert" not in spec or nodes == 1:
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct((nodes * x.shape[0], *x.shape[1:]), x.dtype)
+        return jnp.concatenate([x] * nodes, axis=0)
+
+    return jax.tree.map(tile, params, param_specs_tree(params, "ep"), is_leaf=lambda s: isinstance(s, P))
+
+
 @dataclass(frozen=True)
 class ExpertParallel:
     """Routed experts split over the mesh's `expert` axis, tokens over (data, expert).
@@ -88,12 +103,18 @@ class ExpertParallel:
     so); False: the worst case (`worst_case()`), which never overflows. `expert_per_node`
     (`mesh.expert_per_node`): 0, or at least `expert`, is the flat exchange; a divisor of `expert`
     factors it into nodes of that many ranks and runs the two-stage exchange of
-    parallel/node_aware.py (each token crosses to a node once)."""
+    parallel/node_aware.py (each token crosses to a node once). `teacher_in_node`
+    (`mesh.teacher_experts`): the frozen FCSD teacher runs on `for_teacher()`'s layout.
+    `experts_in_node`: the expert stacks hold one copy of every expert per node ([nodes x E, ...],
+    `tile_per_node`), so each node's ranks split all E among themselves and the exchange runs inside
+    each node (over the node's `expert_per_node` ranks: no NIC crossing)."""
 
     mesh: Mesh
     reduce: None = None
     bounded: bool = True
     expert_per_node: int = 0
+    teacher_in_node: bool = False
+    experts_in_node: bool = False
 
     def __post_init__(self) -> None:
         if self.nodes > 1 and self.mesh.shape["expert"] % self.expert_per_node:
@@ -108,6 +129,22 @@ class ExpertParallel:
 
     def worst_case(self) -> ExpertParallel:
         return dataclasses.replace(self, bounded=False)
+
+    def for_teacher(self) -> ExpertParallel:
+        """The frozen teacher's parallelism. With `teacher_in_node` on an expert axis that spans nodes,
+        its routed experts are copied on every node and split over that node's ranks
+        (`experts_in_node`), so its Dispatch and Combine never cross a NIC: a frozen model has no
+        gradients or optimizer state to keep in step, so the copies cost only its expert weights
+        (each rank holds E / expert_per_node experts instead of E / expert) and leave the NICs to
+        the student's exchanges. Otherwise `self`."""
+        if not self.teacher_in_node or self.nodes == 1:
+            return self
+        return dataclasses.replace(self, teacher_in_node=False, experts_in_node=True)
+
+    @property
+    def exchange_ranks(self) -> int:
+        """Ranks an expert exchange spans: a node's with `experts_in_node`, else the expert axis."""
+        return self.expert_per_node if self.experts_in_node else self.mesh.shape["expert"]
 
     @property
     def batch_shards(self) -> int:
@@ -134,18 +171,19 @@ class ExpertParallel:
         `moe_overflow` is [shards] int32 (1 where the shard's expert group overflowed its bounded
         buffers); the model sums it over layers, and a nonzero sum means the result is void.
         """
-        groups = self.mesh.shape["expert"]
+        groups = self.exchange_ranks
         if cfg.n_routed_experts % groups:
             raise ValueError(f"n_routed_experts={cfg.n_routed_experts} is not divisible by "
-                             f"mesh.expert={groups}")
+                             f"{groups} expert ranks")
         exchange = resolve_exchange(exe.ep_exchange, self.mesh)
         matmul = resolve_matmul(exe.expert_matmul, self.mesh.devices.flat[0], cfg.dtype)
-        if self.nodes > 1:
+        if self.nodes > 1 and not self.experts_in_node:
             from farskip_jax.parallel.node_aware import node_aware_routed  # it builds on this module
 
             return node_aware_routed(self.mesh, self.expert_per_node, cfg, buffer_config(exe, self.bounded),
                                      exchange, matmul, x_nd, routing, experts, shared_fn)
-        ep = _EPShard(cfg, buffer_config(exe, self.bounded), groups, routing.seq_len, exchange, matmul)
+        ep = _EPShard(cfg, buffer_config(exe, self.bounded), groups, routing.seq_len, exchange, matmul,
+                      self.mesh.shape["expert"] if self.experts_in_node else 0)
         tokens, expert_spec = P(BATCH_AXES), P("expert", None, None)
         smap = functools.partial(jax.shard_map, mesh=self.mesh)
         w_gld = (experts.w_gate[...], experts.w_up[...], experts.w_down[...])
@@ -339,10 +377,26 @@ class _EPShard:
     seq_len: int
     exchange: str
     matmul: str
+    # > 0: the expert axis has this many ranks and every exchange runs inside each consecutive block
+    # of `groups` of them (a node's: `ExpertParallel.experts_in_node`); 0: over the whole axis
+    axis_ranks: int = 0
 
     @property
     def local(self) -> int:  # L
         return self.cfg.n_routed_experts // self.groups
+
+    @property
+    def _blocks_of_axis(self) -> Groups:
+        """axis_index_groups of the exchanges (None: the whole axis)."""
+        g = self.groups
+        if not self.axis_ranks:
+            return None
+        return tuple(tuple(range(b * g, (b + 1) * g)) for b in range(self.axis_ranks // g))
+
+    def _me(self) -> jax.Array:
+        """This shard's rank among the ranks it exchanges with."""
+        me = jax.lax.axis_index("expert")
+        return me % self.groups if self.axis_ranks else me
 
     def buffer(self, n: int) -> MoeBuffer:
         """The receive buffer (`dispatch.moe_buffer`): R rows from all G sources (ragged exchange) or B
@@ -370,6 +424,9 @@ class _EPShard:
             counts_gl = jnp.diff(srt.starts_g).reshape(groups, local)
             meta_gm = jnp.concatenate([counts_gl, srt.starts_g[:-1:local, None]], axis=1)
             meta = checkpoint_name(jax.lax.all_gather(meta_gm, "expert"), A2A_COUNTS)  # [G src, G dst, L+1]
+            if self.axis_ranks:  # the counts of this shard's block of ranks (all_gather has no groups here)
+                first = jax.lax.axis_index("expert") // groups * groups
+                meta = jax.lax.dynamic_slice_in_dim(meta, first, groups, axis=0)
             limit = self.buffer(n).rows
             counts = meta[..., :local]
             # ragged: every rank's total from all sources; padded: every (source, rank) pair
@@ -392,7 +449,7 @@ class _EPShard:
     def _plan(self, srt: _Sorted, n: int) -> _Plan:
         """The Dispatch's ragged exchange (the Combine's is its transpose)."""
         meta, local = srt.meta[0], self.local
-        me = jax.lax.axis_index("expert")
+        me = self._me()
         blocks = self._blocks(meta, n)
         totals_sg = meta[..., :local].sum(axis=2)
         return _Plan(in_off=srt.starts_e[0, :-1:local], send=totals_sg[me],
@@ -415,21 +472,22 @@ class _EPShard:
         meta = srt.meta[0]
         with jax.named_scope("dispatch"):
             if self.exchange == "ragged":
-                recv_rd = _ragged_move(_Route("expert"), x_nd[srt.order_a // k],
+                recv_rd = _ragged_move(_Route("expert", self._blocks_of_axis), x_nd[srt.order_a // k],
                                        schedule.fresh_zeros(rows, x_nd, srt.ids_a), self._plan(srt, n))
             else:  # per-destination buffers: slot q of rank g holds sorted row send_start[g] + q
                 b = self.buffer(n).rows
-                me = jax.lax.axis_index("expert")
+                me = self._me()
                 starts_e = srt.starts_e[0]
                 slot_gq = starts_e[:-1:local, None] + jnp.arange(b, dtype=jnp.int32)
                 token_gq = srt.order_a[jnp.minimum(slot_gq, n * k - 1)] // k
                 sent_g = meta[me, :, :local].sum(axis=1)  # 0 everywhere on an overflow
                 filled_gq = jnp.arange(b, dtype=jnp.int32)[None, :] < sent_g[:, None]
                 rows_gqd = jnp.where(filled_gq[..., None], x_nd[token_gq], 0)
-                recv_rd = jax.lax.all_to_all(rows_gqd, "expert", 0, 0).reshape(rows, -1)
+                recv_rd = jax.lax.all_to_all(rows_gqd, "expert", 0, 0,
+                                             axis_index_groups=self._blocks_of_axis).reshape(rows, -1)
             recv_rd = checkpoint_name(recv_rd, A2A_DISPATCH)
         with jax.named_scope("experts"):
-            me = jax.lax.axis_index("expert")
+            me = self._me()
             rg = _regroup(meta[:, me, :local], self._blocks(meta, n)[:, me], rows)
             per_expert = min(groups * rows_per_expert(n, self.seq_len, self.cfg, self.exe), rows)
             back_rd = _expert_ffn(self.matmul, per_expert, recv_rd, rg, w_gate, w_up, w_down)
@@ -452,13 +510,15 @@ class _EPShard:
             if self.exchange == "ragged":
                 # Rows come back in this rank's sorted order: [N*K, D]; dropped ones stay unwritten.
                 out = schedule.after_by_data(schedule.fresh_zeros(n * k, back_rd, srt.inv_a), after_nd)
-                out_rd = _ragged_move(_Route("expert"), back_rd, out, self._plan(srt, n).transposed())
+                out_rd = _ragged_move(_Route("expert", self._blocks_of_axis), back_rd, out,
+                                      self._plan(srt, n).transposed())
                 out_rd = checkpoint_name(out_rd, A2A_COMBINE)
                 back_a = srt.inv_a
             else:  # the whole [G*B, D] buffer travels; assignment a (sorted row inv[a], to rank g)
                 # comes back at g*B + inv[a] - send_start[g]
                 b = self.buffer(n).rows
-                out_rd = jax.lax.all_to_all(back_rd.reshape(groups, b, -1), "expert", 0, 0)
+                out_rd = jax.lax.all_to_all(back_rd.reshape(groups, b, -1), "expert", 0, 0,
+                                            axis_index_groups=self._blocks_of_axis)
                 out_rd = checkpoint_name(out_rd.reshape(groups * b, -1), A2A_COMBINE)
                 rank_a = jnp.minimum(srt.ids_a // local, groups - 1)
                 send_start_g = srt.starts_e[0, :-1:local]

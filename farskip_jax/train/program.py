@@ -25,10 +25,17 @@ from jax.sharding import PartitionSpec as P
 from farskip_jax.config import Config, ExecutionConfig, ModelConfig, TrainConfig
 from farskip_jax.errors import UserError
 from farskip_jax.model.transformer import Transformer, with_farskip
-from farskip_jax.parallel import BATCH_AXES, ExpertParallel, expert_ranks_per_node, param_shardings
+from farskip_jax.parallel import (
+    BATCH_AXES,
+    ExpertParallel,
+    expert_ranks_per_node,
+    param_shardings,
+    param_specs_tree,
+    tile_per_node,
+)
 from farskip_jax.train import remat
 from farskip_jax.train.optim import lr_schedule, make_optimizer
-from farskip_jax.train.step import LossSpec, StepShardings, make_eval_step, make_train_step
+from farskip_jax.train.step import LossSpec, StepShardings, make_eval_step, make_train_step, teacher_parallel
 from farskip_jax.train.zero1 import batch_devices, step_shardings
 
 BATCH_FIELDS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
@@ -77,6 +84,48 @@ def parallel_for(mesh: Mesh, expert_per_node: int | Literal["auto"] = 0) -> Expe
         raise UserError(f"mesh.expert_per_node={per_node} does not divide mesh.expert={expert}: "
                         "the expert axis must be whole nodes of that many ranks (or set it to 0)")
     return ExpertParallel(mesh, expert_per_node=per_node)
+
+
+# `mesh.teacher_experts: auto` copies the frozen teacher's routed experts on every node where that
+# adds at most this much per device: DeepSeek-V2-Lite's bf16 experts add 1.7 / 2.5 / 2.9 GiB on 2 /
+# 4 / 8 nodes of 8 GPUs; Qwen3-30B-A3B's 5.1 GiB on 4 nodes and DeepSeek-V3's 133 GiB on 8 stay over
+# the whole expert axis.
+TEACHER_COPY_LIMIT = 4 * 2**30
+
+
+def teacher_copy_bytes(teacher_abstract: nnx.State, parallel: ExpertParallel) -> float:
+    """Bytes per device the teacher's routed experts add when split over a node's expert ranks
+    instead of the whole expert axis (0 on one node)."""
+    if parallel.nodes == 1:
+        return 0.0
+    specs = jax.tree.leaves(param_specs_tree(teacher_abstract, "ep"), is_leaf=lambda x: isinstance(x, P))
+    leaves = jax.tree.leaves(teacher_abstract)
+    routed = sum(x.size * x.dtype.itemsize for x, spec in zip(leaves, specs, strict=True) if "expert" in spec)
+    return routed * (1 / parallel.expert_per_node - 1 / parallel.mesh.shape["expert"])
+
+
+def teacher_copies(parallel: ExpertParallel | None) -> int:
+    """Copies of the teacher's routed experts the mesh holds (`tile_per_node`): one per node where
+    they live inside each node, else 1."""
+    t = teacher_parallel(parallel)
+    return t.nodes if t is not None and t.experts_in_node else 1
+
+
+def with_teacher_layout(parallel: ExpertParallel | None, setting: Literal["auto", "node", "expert"],
+                        teacher_abstract: nnx.State) -> ExpertParallel | None:
+    """`parallel` with the teacher's experts placed as `mesh.teacher_experts` says
+    (`ExpertParallel.for_teacher`); auto: inside each node when that costs at most
+    TEACHER_COPY_LIMIT bytes per device."""
+    if parallel is None or parallel.nodes == 1 or setting == "expert":
+        return parallel
+    extra = teacher_copy_bytes(teacher_abstract, parallel)
+    if setting == "auto" and extra > TEACHER_COPY_LIMIT:
+        log.info("mesh.teacher_experts=auto: the teacher's routed experts stay over the expert axis (inside "
+                 "each node they would add %.1f GiB per device)", extra / 2**30)
+        return parallel
+    log.info("FCSD teacher: routed experts inside each node of %d ranks (mesh.teacher_experts=%s), +%.2f GiB "
+             "per device; its exchanges stay off the NICs", parallel.expert_per_node, setting, extra / 2**30)
+    return dataclasses.replace(parallel, teacher_in_node=True)
 
 
 def resolve_expert_per_node(mesh: Mesh, setting: int | Literal["auto"]) -> int:
@@ -214,12 +263,15 @@ def build_program(cfg: Config, mesh: Mesh) -> TrainProgram:
     s_exe, t_exe = student_execution(cfg), teacher_execution(cfg)
     s_graph, s_abs = abstract_params(s_cfg, s_exe)
     t_graph, t_abs = abstract_params(t_cfg, t_exe)
+    if tc.mode == "fcsd":
+        parallel = with_teacher_layout(parallel, cfg.mesh.teacher_experts, t_abs)
     schedule = lr_schedule(tc)
     tx = make_optimizer(tc, s_abs)
     shardings = step_shardings(s_abs, tx, mesh, tc.zero1,
                                s_cfg.dtype if tc.zero1_gather == "compute" else None, s_cfg.dtype)
     step = make_train_step(spec, s_graph, t_graph if spec.needs_teacher_model else None, tx, schedule,
                            parallel, shardings)
+    t_abs = tile_per_node(t_abs, teacher_copies(parallel))
     return TrainProgram(cfg=cfg, mesh=mesh, parallel=parallel, spec=spec, student_cfg=s_cfg,
                         teacher_cfg=t_cfg, student_exe=s_exe, teacher_exe=t_exe, student_graph=s_graph,
                         teacher_graph=t_graph,

@@ -22,8 +22,9 @@ from farskip_jax.config import Config
 from farskip_jax.errors import UserError
 from farskip_jax.model.layers import DTYPES
 from farskip_jax.model.transformer import build_model
+from farskip_jax.parallel import tile_per_node
 from farskip_jax.parallel.mesh import make_mesh
-from farskip_jax.train.program import TrainProgram
+from farskip_jax.train.program import TrainProgram, teacher_copies
 
 
 @dataclasses.dataclass
@@ -76,12 +77,13 @@ def init_student_params(cfg: Config, program: TrainProgram) -> nnx.State:
     return state_from_pure(program.student_abstract, pure)
 
 
-def cast_params(params: nnx.State, dtype: Any, shardings: Any) -> nnx.State:
+def cast_params(params: nnx.State, dtype: Any, shardings: Any, copies: int = 1) -> nnx.State:
     """`params` cast to `dtype` on device, into `shardings`, always as new buffers: the train step
     donates the student's buffers, which must never also be the teacher's (a same-dtype astype
-    would otherwise hand back the input itself)."""
+    would otherwise hand back the input itself). `copies` > 1: the routed experts tiled that many
+    times (`parallel.tile_per_node`: the teacher's experts inside each node)."""
     cast = lambda x: jnp.array(x.astype(dtype), copy=True)
-    return jax.jit(lambda p: jax.tree.map(cast, p), out_shardings=shardings)(params)
+    return jax.jit(lambda p: tile_per_node(jax.tree.map(cast, p), copies), out_shardings=shardings)(params)
 
 
 def build_models(cfg: Config, program: TrainProgram, need_teacher: bool | None = None) -> Models:
@@ -92,5 +94,6 @@ def build_models(cfg: Config, program: TrainProgram, need_teacher: bool | None =
         need_teacher = program.needs_teacher
     teacher = None
     if need_teacher:
-        teacher = cast_params(student, DTYPES[program.teacher_cfg.param_dtype], program.teacher_shardings)
+        teacher = cast_params(student, DTYPES[program.teacher_cfg.param_dtype], program.teacher_shardings,
+                              teacher_copies(program.parallel))
     return Models(program.student_graph, student, program.teacher_graph if need_teacher else None, teacher)

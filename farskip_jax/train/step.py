@@ -71,6 +71,12 @@ def token_mask(spec: LossSpec, batch: Batch) -> jax.Array:
     return batch["loss_mask"]
 
 
+def teacher_parallel(parallel: Any) -> Any:
+    """The `parallel=` object the frozen teacher runs with (`ExpertParallel.for_teacher`: its experts
+    may live inside each node); None or a parallelism without that view: the student's."""
+    return parallel.for_teacher() if hasattr(parallel, "for_teacher") else parallel
+
+
 def _forward(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, parallel: Any):
     model = nnx.merge(graphdef, params)
     out = model(batch["input_ids"], batch["positions"], batch["segment_ids"], parallel=parallel,
@@ -84,9 +90,9 @@ def _forward_lockstep(s_graph: nnx.GraphDef, s_params: nnx.State, t_graph: nnx.G
     two `_forward`s, scheduled so that the teacher's collectives can run under the student's layer."""
     s_model, t_model = nnx.merge(s_graph, s_params), nnx.merge(t_graph, t_params)
     args = (batch["input_ids"], batch["positions"], batch["segment_ids"])
-    kw = {"parallel": parallel, "compute_logits": False}
-    s_out, t_out = run_streams([s_model.stream(*args, **kw), t_model.stream(*args, **kw)],
-                               scopes=[None, "teacher"])
+    streams = [s_model.stream(*args, parallel=parallel, compute_logits=False),
+               t_model.stream(*args, parallel=teacher_parallel(parallel), compute_logits=False)]
+    s_out, t_out = run_streams(streams, scopes=[None, "teacher"])
     return s_out, s_model.head_weights(), t_out, t_model.head_weights()
 
 
@@ -132,7 +138,8 @@ def _micro(spec: LossSpec, s_graph: nnx.GraphDef, s_params: nnx.State, t_graph: 
             if not lockstep:
                 # The scope lets the HLO inspector report the teacher's collectives apart.
                 with jax.named_scope("teacher"):
-                    t_out, t_head = _forward(t_graph, jax.lax.stop_gradient(t_params), batch, parallel)
+                    t_out, t_head = _forward(t_graph, jax.lax.stop_gradient(t_params), batch,
+                                             teacher_parallel(parallel))
             m["teacher_dropped_fraction"] = _dropped(t_out)
             loss, lm = losses.chunked_forward_kl(t_out.hidden, t_head, s_out.hidden, s_head, mask,
                                                  spec.temperature, normalizer, spec.chunk_tokens, mesh)
@@ -326,7 +333,7 @@ def make_eval_step(spec: LossSpec, s_graph: nnx.GraphDef, t_graph: nnx.GraphDef 
         out = {**m, "num_tokens": ntok, "correct": jnp.sum((s_ids == batch["targets"]) * mask)}
         if t_graph is not None and t_params is not None:
             t_out, t_head = (fw.teacher, fw.teacher_head) if fw.teacher is not None else \
-                _forward(t_graph, t_params, batch, parallel)
+                _forward(t_graph, t_params, batch, teacher_parallel(parallel))
             t_ids = greedy_ids(t_out.hidden, t_head, spec.chunk_tokens)
             out["agree"] = jnp.sum((s_ids == t_ids) * mask)
         elif spec.cached_teacher:
@@ -358,7 +365,7 @@ def make_teacher_topk(t_graph: nnx.GraphDef, k: int, temperature: float, chunk: 
 
     def run(t_params: nnx.State, batch: Batch):
         with jax.named_scope("teacher"):
-            out, head = _forward(t_graph, t_params, batch, parallel)
+            out, head = _forward(t_graph, t_params, batch, teacher_parallel(parallel))
         vals, ids = chunked_map(lambda h: one(h, head), (out.hidden,), chunk, out.hidden.ndim - 1)
         return vals, ids, _overflow(out)
 

@@ -46,6 +46,7 @@ from farskip_jax.parallel import (
     make_mesh,
     param_shardings,
     place,
+    tile_per_node,
 )
 from farskip_jax.parallel import mesh as mesh_module
 from farskip_jax.parallel.node_aware import expected_nodes_per_token, node_groups, stage_rows
@@ -219,6 +220,45 @@ def test_model_equals_one_device(model_reference, model_data, monkeypatch, case)
     record("node_aware_model", name, "logits", err_logits)
     record("node_aware_model", name, "grads", err_grads)
     assert err_logits <= TOL and err_grads <= TOL
+
+
+@pytest.mark.parametrize("mesh_name", ["ep8_2x4", "dp2xep4_2x2"])
+def test_teacher_in_node_equals_one_device(model_reference, model_data, mesh_name):
+    """The frozen FCSD teacher on `for_teacher()`'s layout (`mesh.teacher_experts: node`): its routed
+    experts copied on every node (`tile_per_node`) and split over that node's ranks. Its logits are
+    one device's, each rank holds a node's share of the experts, and none of its all-to-alls
+    crosses a node."""
+    farskip, state, ref_logits, _ = model_reference
+    if farskip:
+        pytest.skip("the teacher has regular connectivity")
+    graphdef, _ = split(_model_cfg(False), exe=_model_exe("padded"))
+    mesh_cfg, per_node = MESHES[mesh_name]
+    mesh = make_mesh(mesh_cfg)
+    par = ExpertParallel(mesh, expert_per_node=per_node, teacher_in_node=True)
+    teacher = par.for_teacher()
+    assert par.nodes == teacher.nodes == 2 and teacher.experts_in_node and teacher.for_teacher() is teacher
+    assert teacher.exchange_ranks == per_node and par.exchange_ranks == mesh_cfg.expert
+    assert par.worst_case().for_teacher().bounded is False
+    ids, _ = model_data
+    placed = place(tile_per_node(state, teacher.nodes), mesh, "ep")
+    w_gate = next(v for p, v in jax.tree_util.tree_leaves_with_path(placed) if "w_gate" in str(p))
+    assert w_gate.shape[0] == 2 * E and w_gate.addressable_shards[0].data.shape[0] == E // per_node
+
+    def logits(s, ids):
+        out = nnx.merge(graphdef, s)(ids, parallel=teacher)
+        return out.logits, out.aux["moe_overflow"]
+
+    args = (placed, jax.device_put(ids, batch_sharding(mesh)))
+    compiled = jax.jit(logits).lower(*args).compile(FAST)
+    out, overflow = compiled(*args)
+    assert int(overflow) == 0
+    err = max_abs_err(out, ref_logits)
+    record("node_aware_model", f"teacher_in_node/{mesh_name}", "logits", err)
+    assert err <= TOL
+    groups = [links.group_members(ins, 8) for comp in parse_hlo(compiled.as_text()).computations.values()
+              for ins in comp.instrs if ins.opcode in ("all-to-all", "all-to-all-start")]
+    node_of_rank0 = {int(d.id) for d in np.asarray(mesh.devices).reshape(-1)[:per_node]}
+    assert any(0 in g for g in groups) and all(set(g) <= node_of_rank0 for g in groups if 0 in g), groups
 
 
 def _abstract(state, shardings):
