@@ -386,10 +386,10 @@ class MeshConfig:
     # Where the frozen FCSD teacher's routed experts live. node: split over each node's expert ranks
     # and copied on every node, so the teacher's Dispatch and Combine stay on the node's NVLink /
     # xGMI and the NICs carry only the student's (the teacher has no gradients or optimizer state;
-    # the copies cost its expert weights x nodes per device: +2.5 GiB for DeepSeek-V2-Lite on 4
-    # nodes of 8). expert: over the whole expert axis, as the student's. auto (default): node where
-    # the exchange is node-aware and the copies add at most 4 GiB per device
-    # (train/program.py:with_teacher_layout; DeepSeek-V3's would not), else expert.
+    # each device holds a node's share of its experts instead of the expert axis' share: +2.5 GiB
+    # for DeepSeek-V2-Lite on 4 nodes of 8). expert: over the whole expert axis, as the student's.
+    # auto (default): node where the exchange is node-aware and the copies add at most 4 GiB per
+    # device (train/program.py:with_teacher_layout; DeepSeek-V3's would not), else expert.
     teacher_experts: Literal["auto", "node", "expert"] = "auto"
 
     def validate(self) -> None:
