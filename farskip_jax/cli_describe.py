@@ -102,21 +102,6 @@ def train_nodes(train: Config, mesh: dict[str, int]) -> int:
     return per if 0 < per < mesh["expert"] else 0
 
 
-def _teacher_copies_per_device(train: Config, expert: int, routed_bytes: float) -> float:
-    """The teacher's routed elements per device over `routed` beyond routed / expert, as a fraction
-    of `routed`: 1 / per_node - 1 / expert when `mesh.teacher_experts` puts them inside each node
-    (train/program.py:with_teacher_layout's rule), else 0."""
-    from farskip_jax.train.program import TEACHER_COPY_LIMIT
-
-    per = train_nodes(train, {"expert": expert})
-    if not per or train.mesh.teacher_experts == "expert":
-        return 0.0
-    extra = 1 / per - 1 / expert
-    if train.mesh.teacher_experts == "auto" and routed_bytes * extra > TEACHER_COPY_LIMIT:
-        return 0.0
-    return extra
-
-
 def describe(cfg: ModelConfig, mesh: dict[str, int], train: Config | None = None) -> dict[str, Any]:
     """The description as a dict (what `--json` prints)."""
     from farskip_jax import hf_config
@@ -166,7 +151,10 @@ def describe(cfg: ModelConfig, mesh: dict[str, int], train: Config | None = None
         teacher = ""
         if train.train.mode == "fcsd":
             t_bytes = DTYPE_BYTES[train.train.teacher_dtype]
-            copies = _teacher_copies_per_device(train, mesh["expert"], routed * t_bytes)
+            from farskip_jax.train.program import teacher_node_share
+
+            copies = teacher_node_share(train.mesh.teacher_experts, routed * t_bytes, mesh["expert"],
+                                        train_nodes(train, mesh))
             state += (weights + routed * copies) * t_bytes
             teacher = ", FCSD teacher"
             if copies:

@@ -93,15 +93,30 @@ def parallel_for(mesh: Mesh, expert_per_node: int | Literal["auto"] = 0) -> Expe
 TEACHER_COPY_LIMIT = 4 * 2**30
 
 
+def teacher_node_share(setting: Literal["auto", "node", "expert"], routed_bytes: float, expert: int,
+                       per_node: int) -> float:
+    """`mesh.teacher_experts`' rule: the share of the teacher's routed bytes (`routed_bytes` in all)
+    each device holds beyond routed / expert when they live inside each node of `per_node` expert
+    ranks (1 / per_node - 1 / expert), or 0 where they stay over the whole expert axis (one node, the
+    flat exchange, `expert`, or `auto` where that would add more than TEACHER_COPY_LIMIT bytes)."""
+    if not 0 < per_node < expert or setting == "expert":
+        return 0.0
+    share = 1 / per_node - 1 / expert
+    return 0.0 if setting == "auto" and routed_bytes * share > TEACHER_COPY_LIMIT else share
+
+
+def teacher_routed_bytes(teacher_abstract: nnx.State) -> int:
+    """Bytes of the teacher's routed expert stacks (the leaves split over the expert axis)."""
+    specs = jax.tree.leaves(param_specs_tree(teacher_abstract, "ep"), is_leaf=lambda x: isinstance(x, P))
+    leaves = jax.tree.leaves(teacher_abstract)
+    return sum(x.size * x.dtype.itemsize for x, spec in zip(leaves, specs, strict=True) if "expert" in spec)
+
+
 def teacher_copy_bytes(teacher_abstract: nnx.State, parallel: ExpertParallel) -> float:
     """Bytes per device the teacher's routed experts add when split over a node's expert ranks
     instead of the whole expert axis (0 on one node)."""
-    if parallel.nodes == 1:
-        return 0.0
-    specs = jax.tree.leaves(param_specs_tree(teacher_abstract, "ep"), is_leaf=lambda x: isinstance(x, P))
-    leaves = jax.tree.leaves(teacher_abstract)
-    routed = sum(x.size * x.dtype.itemsize for x, spec in zip(leaves, specs, strict=True) if "expert" in spec)
-    return routed * (1 / parallel.expert_per_node - 1 / parallel.mesh.shape["expert"])
+    return teacher_routed_bytes(teacher_abstract) * teacher_node_share(
+        "node", 0, parallel.mesh.shape["expert"], parallel.expert_per_node)
 
 
 def teacher_copies(parallel: ExpertParallel | None) -> int:
@@ -114,17 +129,19 @@ def teacher_copies(parallel: ExpertParallel | None) -> int:
 def with_teacher_layout(parallel: ExpertParallel | None, setting: Literal["auto", "node", "expert"],
                         teacher_abstract: nnx.State) -> ExpertParallel | None:
     """`parallel` with the teacher's experts placed as `mesh.teacher_experts` says
-    (`ExpertParallel.for_teacher`); auto: inside each node when that costs at most
-    TEACHER_COPY_LIMIT bytes per device."""
+    (`ExpertParallel.for_teacher`, `teacher_node_share`'s rule)."""
     if parallel is None or parallel.nodes == 1 or setting == "expert":
         return parallel
-    extra = teacher_copy_bytes(teacher_abstract, parallel)
-    if setting == "auto" and extra > TEACHER_COPY_LIMIT:
+    routed = teacher_routed_bytes(teacher_abstract)
+    expert, per_node = parallel.mesh.shape["expert"], parallel.expert_per_node
+    if not teacher_node_share(setting, routed, expert, per_node):
         log.info("mesh.teacher_experts=auto: the teacher's routed experts stay over the expert axis (inside "
-                 "each node they would add %.1f GiB per device)", extra / 2**30)
+                 "each node they would add %.1f GiB per device)",
+                 routed * teacher_node_share("node", routed, expert, per_node) / 2**30)
         return parallel
     log.info("FCSD teacher: routed experts inside each node of %d ranks (mesh.teacher_experts=%s), +%.2f GiB "
-             "per device; its exchanges stay off the NICs", parallel.expert_per_node, setting, extra / 2**30)
+             "per device; its exchanges stay off the NICs", per_node, setting,
+             routed * teacher_node_share(setting, routed, expert, per_node) / 2**30)
     return dataclasses.replace(parallel, teacher_in_node=True)
 
 
