@@ -209,7 +209,10 @@ def test_bounded_overflows_and_worst_case_matches_one_device_and_hf(ckpt, one_de
     assert float(expert_grads[2:].max()) == 0.0  # ... and no token reached the others
 
 
-@pytest.mark.parametrize("per_node", [0, 4], ids=["flat", "nodes2x4"])
+# nodes2x4 `slow` (CI time): the node-aware ragged exchange is checked against one device in the
+# default suite by tests/parallel/test_node_aware.py (its ragged cases).
+@pytest.mark.parametrize("per_node", [pytest.param(0, id="flat"),
+                                      pytest.param(4, id="nodes2x4", marks=pytest.mark.slow)])
 def test_ragged_exchange_emulated(ckpt, one_device, monkeypatch, per_node):
     """ep_exchange="ragged" on CPU: the offsets and sizes we pass, under the documented semantics;
     bounded (reports the overflow) and worst case (exact); the flat exchange and the node-aware one."""

@@ -266,6 +266,10 @@ def _abstract(state, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
 
 
+# slow (CI time): the default suite checks the node-aware exchange's compiled collectives in
+# tests/inspect/test_node_aware_overlap.py and tests/train/test_teacher_in_node.py (groups of the
+# lowered step), and the per-policy counts of the flat one in tests/parallel/test_dropless_ep.py.
+@pytest.mark.slow
 def test_collectives_per_layer():
     """EP=8 as 2 nodes x 4, a 3-layer model (2 MoE layers), padded exchange: the compiled program's
     all-to-alls by group (node: the 2 ranks with one local index; local: a node's 4 ranks) and the
