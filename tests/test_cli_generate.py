@@ -85,6 +85,9 @@ def test_text_prompt_goes_through_the_chat_template(ckpt, tmp_path, capsys):
     assert rec[0]["completion"] == text and text  # some new tokens are words of the tokenizer
 
 
+# slow (CI time): tensor-parallel generation equals one device and HF in the default suite
+# (tests/model/test_generation.py, the family tests' *_and_tp2); this checks the CLI's flags for it.
+@pytest.mark.slow
 def test_farskip_flags_and_tensor_parallel(ckpt, tmp_path):
     rc, path = gen(ckpt, tmp_path, "--prompt-ids", str(ckpt["ids_file"]), "--farskip-range", "1:2",
                    "--mesh", "tensor=8")
