@@ -134,14 +134,13 @@ def with_teacher_layout(parallel: ExpertParallel | None, setting: Literal["auto"
         return parallel
     routed = teacher_routed_bytes(teacher_abstract)
     expert, per_node = parallel.mesh.shape["expert"], parallel.expert_per_node
+    extra_gib = routed * teacher_node_share("node", routed, expert, per_node) / 2**30
     if not teacher_node_share(setting, routed, expert, per_node):
         log.info("mesh.teacher_experts=auto: the teacher's routed experts stay over the expert axis (inside "
-                 "each node they would add %.1f GiB per device)",
-                 routed * teacher_node_share("node", routed, expert, per_node) / 2**30)
+                 "each node they would add %.1f GiB per device)", extra_gib)
         return parallel
     log.info("FCSD teacher: routed experts inside each node of %d ranks (mesh.teacher_experts=%s), +%.2f GiB "
-             "per device; its exchanges stay off the NICs", per_node, setting,
-             routed * teacher_node_share(setting, routed, expert, per_node) / 2**30)
+             "per device; its exchanges stay off the NICs", per_node, setting, extra_gib)
     return dataclasses.replace(parallel, teacher_in_node=True)
 
 
