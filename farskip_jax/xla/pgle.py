@@ -137,7 +137,12 @@ def instruction_cost_us(an: Any, comp: Computation, ins: Instr, done: Instr | No
     if ck is not None:
         kind, form = ck
         if form == "done":
-            return None  # PGLE costs start/done ops at a fixed 1 unit and never looks them up
+            start = comp.by_name.get(ins.operands[0]) if ins.operands else None
+            if kind == "async" and (start is None or links.collective_kind(mod, start) is None):
+                # the end of compute made async: jaxlib 0.12 makes small dynamic slices in loops
+                # async fusions, and XLA's PGLE looks their done up; the start carries the work
+                return 0.0
+            return None  # PGLE costs a collective's start/done at a fixed 1 unit, never looks them up
         carrier = _wrapped(mod, ins) if ins.opcode == "async-start" else ins
         carrier = carrier or ins
         # operands looked up on `ins`: a wrapped op's operands live in its async computation

@@ -212,6 +212,43 @@ def test_profile_costs_every_scheduled_instruction() -> None:
     assert h200["all-to-all-start"] == pytest.approx(4 * 2**20 * 0.75 / 450e9 * 1e6 + 5.0)
 
 
+# jaxlib 0.12 makes some small dynamic slices inside loops async fusions (the FCSD step's loss-chunk
+# loop on H200): at the scheduler's entry an async-start/-done pair wrapping the fusion (after it,
+# fusion-start/-done). XLA's PGLE looks both up, unlike a collective's done.
+_ASYNC_FUSION_HLO = "\n".join([
+    "HloModule jit_async_fusion, is_scheduled=true, num_partitions=8",
+    "",
+    "%fused_slice (p0: f32[4], p1: s32[]) -> f32[1] {",
+    "  %p0 = f32[4]{0} parameter(0)",
+    "  %p1 = s32[] parameter(1)",
+    "  ROOT %ds = f32[1]{0} dynamic-slice(%p0, %p1), dynamic_slice_sizes={1}",
+    "}",
+    "",
+    "%async_computation (a0: f32[4], a1: s32[]) -> f32[1] {",
+    "  %a0 = f32[4]{0} parameter(0)",
+    "  %a1 = s32[] parameter(1)",
+    "  ROOT %fusion = f32[1]{0} fusion(%a0, %a1), kind=kLoop, calls=%fused_slice",
+    "}",
+    "",
+    "ENTRY %main (x: f32[4], i: s32[]) -> f32[1] {",
+    "  %x = f32[4]{0} parameter(0)",
+    "  %i = s32[] parameter(1)",
+    "  %fusion-start = ((f32[4]{0}, s32[]), f32[1]{0}, u32[]) async-start(%x, %i), "
+    "calls=%async_computation",
+    "  ROOT %fusion-done = f32[1]{0} async-done(%fusion-start)",
+    "}",
+    "",
+])
+
+
+def test_async_fusion_start_and_done_are_both_costed() -> None:
+    """The strict checker rejected the H200 EP32 FCSD profile (a 5-layer slice) for leaving those
+    dones out ("Found 2 missing instructions": fusion-done, fusion-done.1)."""
+    costs = pgle.profile_costs(_ASYNC_FUSION_HLO, "h200")
+    assert set(costs) == {"x", "i", "fusion-start", "fusion-done"}
+    assert costs["fusion-done"] == 0.0 and costs["fusion-start"] > 0.0
+
+
 def test_write_profile_is_named_by_fingerprint(tmp_path: Path) -> None:
     path = Path(pgle.write_profile(_ENTRY_HLO, "mi300x", tmp_path / "prof"))
     assert path.name == f"{_FP}.pbtxt" and path.parent == tmp_path / "prof"
