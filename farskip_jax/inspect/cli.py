@@ -240,6 +240,12 @@ def run_inspect(args: argparse.Namespace, build_step: BuildStep,
               f"({_fmt(mem.get('fraction'))} of HBM)  "
               f"-> {paths['md']}")
         print(f"[{mode}] {_accounting_line(reports[mode]['accounting'])}")
+        b = analysis.bound
+        if b is not None and b.transfer_us:
+            print(f"[{mode}] collective time hidden: XLA's order {_fmt(t['sim_hidden_frac'])}, a list order "
+                  f"of the same ops {_fmt(b.list_hidden_frac)} (est. step "
+                  f"{(b.list_step_us or 0) / 1e3:.2f} ms, memory not modelled), at most "
+                  f"{_fmt(b.max_hidden_frac)} by the dependency floor ({b.step_us / 1e3:.2f} ms)")
     if getattr(args, "compare", None) == "four" and len(modes) == 4:
         four = report.four_way({m: reports[m] for m in modes}, baseline=modes[0])
         (out / "compare_four.json").write_text(json.dumps(four, indent=1))

@@ -21,6 +21,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from farskip_jax.inspect.bound import DependencyBound, dependency_bound
 from farskip_jax.xla.costs import HARDWARE, CostModel, trip_count
 from farskip_jax.xla.hlo_parse import Computation, HloModule, Instr, parse_hlo
 from farskip_jax.xla.links import (
@@ -113,10 +114,12 @@ class Analysis:
     totals: dict[str, Any]
     timeline: list[dict[str, Any]]
     lhs_stats: dict[str, Any] | None = None
+    bound: DependencyBound | None = None  # what any order of the same ops could hide (bound.py)
 
     def to_dict(self, with_timeline: bool = False) -> dict[str, Any]:
         d = {"module": self.module, "target": self.target, "totals": self.totals,
-             "collectives": [c.to_dict() for c in self.collectives], "lhs_stats": self.lhs_stats}
+             "collectives": [c.to_dict() for c in self.collectives], "lhs_stats": self.lhs_stats,
+             "dependency_bound": self.bound.to_dict() if self.bound is not None else None}
         if with_timeline:
             d["timeline"] = self.timeline
         return d
@@ -510,11 +513,13 @@ def analyze(text: str, target: str, lhs_schedule_text: str | None = None, groupe
         raise ValueError(f"unknown target {target!r}; known: {sorted(HARDWARE)}")
     mod = parse_hlo(text)
     an = _Analyzer(mod, HARDWARE[target], grouped_fill, declared_rows)
-    recs = an.collectives(an.scheduled_computations())
+    runs = an.scheduled_computations()
+    recs = an.collectives(runs)
     sim = _Simulator(an, recs)
     sim.run(mod.entry)
     lhs = parse_lhs_schedule(lhs_schedule_text) if lhs_schedule_text else None
-    return Analysis(mod.name, target, recs, _totals(recs, sim), sim.events, lhs)
+    floor = dependency_bound(an, {(r.computation, r.name): r.transfer_us for r in recs}, runs)
+    return Analysis(mod.name, target, recs, _totals(recs, sim), sim.events, lhs, floor)
 
 
 # ---------------------------------------------------------- latency-hiding-schedule dump -----

@@ -190,11 +190,28 @@ def _remat_auto_markdown(auto: dict[str, Any] | None) -> list[str]:
             f"budget {size_str(auto['budget_bytes'])}{why}).", ""]
 
 
+def bound_markdown(bound: dict[str, Any] | None, replay_hidden: float | None) -> list[str]:
+    """The dependency floor's sentence (`inspect.bound`): what any order of the compiled ops could
+    hide, what a list order of them hides, against XLA's order (`replay_hidden`)."""
+    if not bound or not bound.get("transfer_us"):
+        return []
+    line = (f"Dependency floor (any order of these ops at the same costs, one compute and one link lane, "
+            f"loops as compiled): step >= {bound['step_us'] / 1e3:.2f} ms (longest dependency chain "
+            f"{bound['path_us'] / 1e3:.2f} ms, compute {bound['compute_us'] / 1e3:.2f} ms, transfer "
+            f"{bound['transfer_us'] / 1e3:.2f} ms), so at most {_pct(bound['max_hidden_frac'])} of the "
+            f"collective time can be hidden")
+    if bound.get("list_step_us") is not None:
+        line += (f"; a list order of the same ops (longest chain first, memory not modelled) runs "
+                 f"{bound['list_step_us'] / 1e3:.2f} ms and hides {_pct(bound['list_hidden_frac'])}")
+    return [line + f"; XLA's order hides {_pct(replay_hidden)}.", ""]
+
+
 def markdown(report: dict[str, Any], max_rows: int = 200) -> str:
     """Markdown summary: totals per kind and direction, then one row per collective."""
     t = report["totals"]
     lines = [f"## {report['module']} on {report['target']} (estimated)", "",
              f"Estimated step {t['est_step_us']:.1f} us, compute {t['est_compute_us']:.1f} us.", "",
+             *bound_markdown(report.get("dependency_bound"), t["all"]["sim_hidden_frac"]),
              *[x for line in accounting_markdown(report.get("accounting")) for x in (line, "")],
              *memory_markdown(report.get("memory")), "",
              *_remat_auto_markdown(report.get("meta", {}).get("remat_auto")),
