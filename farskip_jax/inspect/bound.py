@@ -14,12 +14,13 @@ at least `floor - compute`, and the share of collective time it can hide at most
 `1 - (floor - compute) / transfer`. Where that share is under a target, the target needs another
 program (other dependencies, other loop bodies), not another schedule.
 
-The floor need not be reachable (two lanes with dependencies between them). `list_order` gives the
-other side: an order the program admits, built greedily (the ready op with the longest chain after
-it first, on each lane), so what it hides can be hidden by some order of these ops. It models no
-memory: an order that issues exchanges earlier keeps their buffers alive longer, which XLA's
-scheduler weighs and this does not. Between the two lies what a better schedule of the same program
-could gain; what XLA's order leaves beyond the list order is the scheduler's, not FarSkip's.
+The floor need not be reachable (two lanes with dependencies between them). The list order
+(`_ListOrder`) gives the other side: an order the program admits, built greedily (the ready op with
+the longest chain after it first, on each lane), so what it hides can be hidden by some order of
+these ops. It models no memory: an order that issues exchanges earlier keeps their buffers alive
+longer, which XLA's scheduler weighs and this does not. Between the two lies what a better schedule
+of the same program could gain; what XLA's order leaves beyond the list order is the scheduler's,
+not FarSkip's.
 
 Loops are taken as compiled: XLA runs a while loop's iterations one after the other and schedules
 each body apart, so nothing overlaps across iterations (a scan over layers is one body per layer).
