@@ -22,6 +22,15 @@ longer, which XLA's scheduler weighs and this does not. Between the two lies wha
 of the same program could gain; what XLA's order leaves beyond the list order is the scheduler's,
 not FarSkip's.
 
+Both keep the backward after the forward: an op the inspector calls backward (`hlo.Phases`: it reads
+the loss's cotangent, or JAX named it `transpose(...)`, as it names what `jax.checkpoint` recomputes)
+starts only once every forward op of its computation has finished. The program alone would let a
+scheduler hoist that recomputation into the forward, which is what remat exists to prevent (its
+activations would live through the forward); the final HLO no longer shows JAX's optimization
+barriers, so the rule stands in for them. Other barriers of ours (FCSD's teacher and student kept
+layer by layer, `transformer.run_streams`) are not seen: an order may run the frozen teacher ahead of
+the student, whose only cost is the teacher's hidden states.
+
 Loops are taken as compiled: XLA runs a while loop's iterations one after the other and schedules
 each body apart, so nothing overlaps across iterations (a scan over layers is one body per layer).
 A conditional is priced by its costliest branch, as the replay prices it. Control dependencies are
@@ -31,10 +40,12 @@ left out (they only add order), so the floor stays a floor.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from farskip_jax.xla.costs import CostModel, trip_count
+from farskip_jax.xla.hlo_parse import Computation, Instr
 from farskip_jax.xla.links import collective_kind
 
 
@@ -103,9 +114,12 @@ class DependencyBound:
                 "loops": [{**asdict(lp), "min_exposed_us": lp.min_exposed_us} for lp in self.loops]}
 
 
+IsBwd = Callable[[str, str], bool]  # (computation, instruction) -> backward (`hlo.Phases.is_bwd`)
+
+
 class _Floors:
-    def __init__(self, costs: CostModel, transfer_us: dict[tuple[str, str], float]):
-        self.costs, self.mod = costs, costs.mod
+    def __init__(self, costs: CostModel, transfer_us: dict[tuple[str, str], float], is_bwd: IsBwd):
+        self.costs, self.mod, self.is_bwd = costs, costs.mod, is_bwd
         self.transfer_us = transfer_us  # per run of each collective, keyed (computation, start op)
         self.memo: dict[str, Floors] = {}
         self.loops: dict[str, tuple[int, Floors]] = {}  # body -> (trips, floors per trip)
@@ -116,10 +130,23 @@ class _Floors:
         comp = self.mod.computations.get(name)
         if comp is None or depth > 32:
             return Floors(0.0, 0.0, 0.0)
+        bwd = {ins.name for ins in comp.instrs if self.is_bwd(name, ins.name)}
+        fwd = _pure_forward(comp.instrs, bwd)
+        gate = self._pass(name, comp, depth, fwd, 0.0, set())[2] if bwd and fwd else 0.0
+        compute, transfer, path = self._pass(name, comp, depth, comp.instrs, gate, bwd)
+        floors = Floors(compute, transfer, path)
+        self.memo[name] = floors
+        return floors
+
+    def _pass(self, name: str, comp: Computation, depth: int, instrs: list[Instr], gate: float,
+              bwd: set[str]) -> tuple[float, float, float]:
+        """(compute, transfer, longest chain) over `instrs`, a backward op starting after `gate`."""
         finish: dict[str, float] = {}
         compute = transfer = 0.0
-        for ins in comp.instrs:
+        for ins in instrs:
             ready = max((finish.get(o, 0.0) for o in ins.operands), default=0.0)
+            if ins.name in bwd:
+                ready = max(ready, gate)
             ck = collective_kind(self.mod, ins)
             if ck is not None:
                 # a done adds nothing: its operand, the start, already finishes after the transfer
@@ -143,9 +170,7 @@ class _Floors:
                 dur = self.costs.op_time_us(comp, ins)
                 compute += dur
             finish[ins.name] = ready + dur
-        floors = Floors(compute, transfer, max(finish.values(), default=0.0))
-        self.memo[name] = floors
-        return floors
+        return compute, transfer, max(finish.values(), default=0.0)
 
 
 _FREE, _COMPUTE, _START, _DONE, _BLOCK = range(5)
@@ -155,8 +180,8 @@ class _ListOrder:
     """`list_order` per computation; a loop or call is one block that holds both lanes for its
     trips times its body's list-order step (nothing overlaps it, so the order stays admissible)."""
 
-    def __init__(self, costs: CostModel, transfer_us: dict[tuple[str, str], float]):
-        self.costs, self.mod, self.transfer_us = costs, costs.mod, transfer_us
+    def __init__(self, costs: CostModel, transfer_us: dict[tuple[str, str], float], is_bwd: IsBwd):
+        self.costs, self.mod, self.transfer_us, self.is_bwd = costs, costs.mod, transfer_us, is_bwd
         self.memo: dict[str, float] = {}
 
     def step_us(self, name: str, depth: int = 0) -> float:
@@ -184,15 +209,48 @@ class _ListOrder:
             else:
                 d = self.costs.op_time_us(comp, ins)
                 kind[i], dur[i] = (_COMPUTE, d) if d > 0 else (_FREE, 0.0)
+        bwd_names = {ins.name for ins in comp.instrs if self.is_bwd(name, ins.name)}
+        fwd = {ins.name for ins in _pure_forward(comp.instrs, bwd_names)}
+        if bwd_names and fwd:  # a free gate op: every forward op before every backward one
+            kind.append(_FREE)
+            dur.append(0.0)
+            preds.append([i for i, ins in enumerate(comp.instrs) if ins.name in fwd])
+            for i, ins in enumerate(comp.instrs):
+                if ins.name in bwd_names:
+                    preds[i].append(n)
+            n += 1
         succs: list[list[int]] = [[] for _ in range(n)]
         for i in range(n):
             for p in preds[i]:
                 succs[p].append(i)
         chain = [0.0] * n  # longest chain from an op's start to the end, its own time included
-        for i in range(n - 1, -1, -1):
+        for i in reversed(_topological(preds, succs)):
             chain[i] = dur[i] + max((chain[s] for s in succs[i]), default=0.0)
         self.memo[name] = _greedy(kind, dur, preds, succs, chain)
         return self.memo[name]
+
+
+def _pure_forward(instrs: list[Instr], bwd: set[str]) -> list[Instr]:
+    """The forward ops that read nothing backward, however far back (`hlo.Phases` names some ops
+    forward that read a backward value, after XLA's CSE merged the two): the ones the backward
+    waits for. Instructions come in a valid order, operands first."""
+    names = {ins.name for ins in instrs}
+    pure: set[str] = set()
+    for ins in instrs:
+        if ins.name not in bwd and all(o in pure or o not in names for o in ins.operands):
+            pure.add(ins.name)
+    return [ins for ins in instrs if ins.name in pure]
+
+
+def _topological(preds: list[list[int]], succs: list[list[int]]) -> list[int]:
+    waiting = [len(p) for p in preds]
+    order = [i for i in range(len(preds)) if not waiting[i]]
+    for i in order:  # grows while it is read
+        for s in succs[i]:
+            waiting[s] -= 1
+            if not waiting[s]:
+                order.append(s)
+    return order
 
 
 def _greedy(kind: list[int], dur: list[float], preds: list[list[int]], succs: list[list[int]],
@@ -256,15 +314,16 @@ def _greedy(kind: list[int], dur: list[float], preds: list[list[int]], succs: li
 
 
 def dependency_bound(costs: CostModel, transfer_us: dict[tuple[str, str], float],
-                     runs: dict[str, int]) -> DependencyBound:
+                     runs: dict[str, int], is_bwd: IsBwd = lambda c, i: False) -> DependencyBound:
     """The floors of `costs.mod`'s entry computation; `transfer_us` gives each collective's transfer
     per run, keyed by (computation, start or sync op), as the replay prices it; `runs` how many times
-    each computation runs per step (for the loops' table)."""
-    walk = _Floors(costs, transfer_us)
+    each computation runs per step (for the loops' table); `is_bwd` says which ops are backward
+    (they start after the forward, module docstring)."""
+    walk = _Floors(costs, transfer_us, is_bwd)
     top = walk.of(costs.mod.entry)
     loops = [LoopFloor(body, trips, runs.get(body, trips) // max(trips, 1), f.compute_us, f.transfer_us,
                        f.path_us, f.step_us)
              for body, (trips, f) in walk.loops.items()]
     loops.sort(key=lambda lp: -lp.trips * lp.runs * lp.step_us)
-    listed = _ListOrder(costs, transfer_us).step_us(costs.mod.entry)
+    listed = _ListOrder(costs, transfer_us, is_bwd).step_us(costs.mod.entry)
     return DependencyBound(top.step_us, top.path_us, top.compute_us, top.transfer_us, loops, listed)

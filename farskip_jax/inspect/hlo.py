@@ -518,7 +518,8 @@ def analyze(text: str, target: str, lhs_schedule_text: str | None = None, groupe
     sim = _Simulator(an, recs)
     sim.run(mod.entry)
     lhs = parse_lhs_schedule(lhs_schedule_text) if lhs_schedule_text else None
-    floor = dependency_bound(an, {(r.computation, r.name): r.transfer_us for r in recs}, runs)
+    floor = dependency_bound(an, {(r.computation, r.name): r.transfer_us for r in recs}, runs,
+                             an.phases.is_bwd)
     return Analysis(mod.name, target, recs, _totals(recs, sim), sim.events, lhs, floor)
 
 

@@ -96,6 +96,19 @@ def test_the_floor_sees_what_an_order_leaves_exposed() -> None:
     assert late.totals["est_step_us"] > late.bound.list_step_us + 1.0
 
 
+def test_backward_work_is_not_hoisted_under_a_forward_exchange() -> None:
+    """async_pair.hlo with its independent dot named as JAX names backward work (`transpose(...)`,
+    as for what jax.checkpoint recomputes): the dot may not run before the forward, exchange
+    included, has finished, so neither bound hides anything under the exchange."""
+    text = (DATA / "async_pair.hlo").read_text()
+    backward = text.replace("layer_0/attention/dot_general", "transpose(jvp(layer_0))/attention/dot_general")
+    assert backward != text
+    fwd, bwd = hlo.analyze(text, "h200").bound, hlo.analyze(backward, "h200").bound
+    assert fwd.list_hidden_frac > 0.3 and fwd.max_hidden_frac > 0.3
+    assert bwd.list_hidden_frac == 0.0 and bwd.max_hidden_frac == 0.0
+    assert bwd.compute_us == pytest.approx(fwd.compute_us)
+
+
 def test_a_loop_counts_its_trips_and_its_link_lane() -> None:
     """nested_while.hlo: 4 trips of a body whose three collectives (an all-reduce, a synchronous
     all-to-all after it, an async reduce-scatter) outlast its compute, so each trip takes at least
