@@ -195,11 +195,11 @@ def bound_markdown(bound: dict[str, Any] | None, replay_hidden: float | None) ->
     hide, what a list order of them hides, against XLA's order (`replay_hidden`)."""
     if not bound or not bound.get("transfer_us"):
         return []
+    ms = lambda key: f"{bound[key] / 1e3:.2f} ms"  # noqa: E731
     line = (f"Dependency floor (any order of these ops at the same costs, one compute and one link lane, "
-            f"loops as compiled): step >= {bound['step_us'] / 1e3:.2f} ms (longest dependency chain "
-            f"{bound['path_us'] / 1e3:.2f} ms, compute {bound['compute_us'] / 1e3:.2f} ms, transfer "
-            f"{bound['transfer_us'] / 1e3:.2f} ms), so at most {_pct(bound['max_hidden_frac'])} of the "
-            f"collective time can be hidden")
+            f"the backward after the forward, loops as compiled): step >= {ms('step_us')} (longest "
+            f"dependency chain {ms('path_us')}, compute {ms('compute_us')}, transfer {ms('transfer_us')}), "
+            f"so at most {_pct(bound['max_hidden_frac'])} of the collective time can be hidden")
     if bound.get("list_step_us") is not None:
         line += (f"; a list order of the same ops (longest chain first, memory not modelled) runs "
                  f"{bound['list_step_us'] / 1e3:.2f} ms and hides {_pct(bound['list_hidden_frac'])}")
