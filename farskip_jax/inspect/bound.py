@@ -114,6 +114,15 @@ class DependencyBound:
                 "loops": [{**asdict(lp), "min_exposed_us": lp.min_exposed_us} for lp in self.loops]}
 
 
+def _runs_of(costs: CostModel, ins: Instr) -> tuple[int, list[str]]:
+    """(trips, computations run per trip) of a while, call or conditional, as the replay runs them: a
+    while loop's condition and body, a conditional's costliest branch."""
+    called = ins.called()
+    if ins.opcode == "conditional":
+        called = [max(called, key=costs.comp_time_us)] if called else []
+    return (trip_count(ins) if ins.opcode == "while" else 1), called
+
+
 IsBwd = Callable[[str, str], bool]  # (computation, instruction) -> backward (`hlo.Phases.is_bwd`)
 
 
@@ -155,10 +164,7 @@ class _Floors:
                 finish[ins.name] = ready + t
                 continue
             if ins.opcode in ("while", "call", "conditional"):
-                called = ins.called()
-                if ins.opcode == "conditional":
-                    called = [max(called, key=self.costs.comp_time_us)] if called else []
-                trips = trip_count(ins) if ins.opcode == "while" else 1
+                trips, called = _runs_of(self.costs, ins)
                 subs = [self.of(c, depth + 1) for c in called]
                 if ins.opcode == "while":
                     body = ins.attr("body") or ""
@@ -201,10 +207,7 @@ class _ListOrder:
                 kind[i] = _DONE if ck[1] == "done" else _START  # a sync one: its own start and done
                 dur[i] = 0.0 if ck[1] == "done" else self.transfer_us.get((name, ins.name), 0.0)
             elif ins.opcode in ("while", "call", "conditional"):
-                called = ins.called()
-                if ins.opcode == "conditional":
-                    called = [max(called, key=self.costs.comp_time_us)] if called else []
-                trips = trip_count(ins) if ins.opcode == "while" else 1
+                trips, called = _runs_of(self.costs, ins)
                 kind[i], dur[i] = _BLOCK, trips * sum(self.step_us(c, depth + 1) for c in called)
             else:
                 d = self.costs.op_time_us(comp, ins)
@@ -314,7 +317,7 @@ def _greedy(kind: list[int], dur: list[float], preds: list[list[int]], succs: li
 
 
 def dependency_bound(costs: CostModel, transfer_us: dict[tuple[str, str], float],
-                     runs: dict[str, int], is_bwd: IsBwd = lambda c, i: False) -> DependencyBound:
+                     runs: dict[str, int], is_bwd: IsBwd) -> DependencyBound:
     """The floors of `costs.mod`'s entry computation; `transfer_us` gives each collective's transfer
     per run, keyed by (computation, start or sync op), as the replay prices it; `runs` how many times
     each computation runs per step (for the loops' table); `is_bwd` says which ops are backward
