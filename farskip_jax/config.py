@@ -448,9 +448,11 @@ class TrainConfig:
     teacher_cache: str | None = None
     teacher_topk: int = 64
     # FCSD: run the frozen teacher's forward layer by layer beside the student's (an optimization
-    # barrier joins their streams after every layer), so that XLA can schedule the teacher's
-    # all-to-alls under the student's compute. Scheduling only: the values are unchanged.
-    teacher_lockstep: bool = False
+    # barrier joins their next attention inputs after every layer), so that XLA schedules the
+    # teacher's layer under the student's all-to-alls. Scheduling only: the values are unchanged.
+    # auto: on where the student's expert exchange spans nodes (node-aware), off on one node
+    # (neutral there); BENCHMARKS.md K22.
+    teacher_lockstep: bool | Literal["auto"] = "auto"
     learning_rate: float = 1e-5
     min_lr_ratio: float = 0.1
     warmup_steps: int = 1000

@@ -201,6 +201,15 @@ def run_inspect(args: argparse.Namespace, build_step: BuildStep,
             print(f"inspect: mesh.teacher_experts={setting}: the FCSD teacher's routed experts "
                   + (f"inside each node of {per_node} (+{teacher_copy_bytes(t_abs, par) / 2**30:.2f} GiB per "
                      "device), its exchanges off the NICs" if inside else "over the whole expert axis"))
+        if getattr(args, "teacher_lockstep", None) is not None:
+            from farskip_jax.parallel import ExpertParallel
+            from farskip_jax.train.program import resolve_teacher_lockstep
+
+            par = ExpertParallel(mesh, expert_per_node=per_node)
+            on = resolve_teacher_lockstep(args.teacher_lockstep, par)
+            exchange_meta["teacher_lockstep"] = on
+            print(f"inspect: train.teacher_lockstep={str(args.teacher_lockstep).lower()}: "
+                  + ("the teacher's forward layer by layer beside the student's" if on else "off"))
     reports: dict[str, Any] = {}
     analyses: dict[str, Any] = {}
     for mode in modes:
@@ -428,6 +437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"(--moe-load {args.moe_load})")
     args.expert_per_node = cfg.mesh.expert_per_node if ep else None
     args.teacher_experts = None
+    args.teacher_lockstep = cfg.train.teacher_lockstep if ep and args.mode == "fcsd" else None
     if ep and args.mode == "fcsd":
         from farskip_jax.train.program import abstract_params, teacher_config, teacher_execution
 

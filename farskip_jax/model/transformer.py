@@ -289,13 +289,14 @@ def run_streams(streams: list[Generator[Any, Any, ModelOutput]], join: bool = Tr
                 scopes: list[str | None] | None = None) -> list[ModelOutput]:
     """Runs the forward passes `streams` (`Transformer.stream`, equal layer counts) side by side.
 
-    With `join`, after every layer the models' residual streams pass one XLA optimization barrier
-    together: layer i+1 of either model starts only once layer i of both exists, so XLA's scheduler
-    sees the two models' layer i at the same time and can run one model's collectives under the
-    other's compute (FCSD: the frozen teacher's all-to-alls under the student's layer; two
-    independent forwards are otherwise scheduled far apart). The values are unchanged. `scopes`:
-    a `jax.named_scope` per stream, entered around each of its steps (a scope entered inside a
-    generator would stay open while the other streams run).
+    With `join`, after every layer the streams' next attention inputs pass one XLA optimization
+    barrier together (`_join_attention_inputs`): layer i+1's attention of either model starts only
+    once both models have the input it reads, so XLA's scheduler sees the two models' layer i at the
+    same time and can run one model's collectives under the other's compute (FCSD: the frozen
+    teacher's layer under the student's all-to-alls; two independent forwards are otherwise
+    scheduled far apart).
+    The values are unchanged. `scopes`: a `jax.named_scope` per stream, entered around each of its
+    steps (a scope entered inside a generator would stay open while the other streams run).
     """
     scopes = scopes or [None] * len(streams)
 
@@ -307,7 +308,7 @@ def run_streams(streams: list[Generator[Any, Any, ModelOutput]], join: bool = Tr
     states = [step(k, first=True) for k in range(len(streams))]
     while True:
         if join and len(states) > 1:
-            states = list(schedule.join(*states))
+            states = _join_attention_inputs(states)
         moved = []
         for k, st in enumerate(states):
             try:
@@ -319,6 +320,19 @@ def run_streams(streams: list[Generator[Any, Any, ModelOutput]], join: bool = Tr
         if len(moved) != len(streams):
             raise ValueError("run_streams: the models have different numbers of layers")
         states = moved
+
+
+def _join_attention_inputs(states: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+    """The streams' (x, y) states with what each one's next attention reads joined by one barrier:
+    the stale stream y (or Ladder) where a stream carries one, else x.
+
+    Why not the whole state: under FarSkip x = y + R carries the layer's routed output, the
+    Combine, which FarSkip lets run under the next layer's attention; a barrier on x would make
+    that attention wait for the Combine (on the 5-layer EP32 H200 FCSD step, est. 261.7 ms with the
+    whole state joined, 257.6 ms with y: BENCHMARKS.md K22)."""
+    picks = [1 if jax.tree.leaves(y) else 0 for _, y in states]
+    joined = schedule.join(*[state[k] for state, k in zip(states, picks, strict=True)])
+    return [(v, y) if k == 0 else (x, v) for (x, y), k, v in zip(states, picks, joined, strict=True)]
 
 
 def _concat(chunks: list[jax.Array]) -> jax.Array:

@@ -144,6 +144,16 @@ def with_teacher_layout(parallel: ExpertParallel | None, setting: Literal["auto"
     return dataclasses.replace(parallel, teacher_in_node=True)
 
 
+def resolve_teacher_lockstep(setting: bool | Literal["auto"], parallel: ExpertParallel | None) -> bool:
+    """`train.teacher_lockstep` as the FCSD step runs it: auto is on where the student's expert
+    exchange spans nodes. There the student's NIC exchanges are the longest collectives of the step
+    and the teacher's layer is the compute XLA leaves out from under them (est. -2.9% / -2.1% step
+    on 5-layer EP32 H200 / MI300X slices); on one node it moved the step by 0.1% (BENCHMARKS.md K22)."""
+    if setting != "auto":
+        return setting
+    return parallel is not None and parallel.nodes > 1
+
+
 def resolve_expert_per_node(mesh: Mesh, setting: int | Literal["auto"]) -> int:
     """`mesh.expert_per_node` as the exchange uses it: an integer as given; auto from the nodes of
     the mesh's devices (`parallel.mesh.expert_ranks_per_node`), the flat exchange (0) where the
@@ -274,7 +284,11 @@ def build_program(cfg: Config, mesh: Mesh) -> TrainProgram:
     if cfg.execution.remat == "auto":
         cfg = remat.with_remat(cfg, remat.candidates("auto", parallel is not None)[0])
     tc = cfg.train
-    spec = LossSpec.from_train(tc, cached_teacher=uses_teacher_cache(tc))
+    lockstep = resolve_teacher_lockstep(tc.teacher_lockstep, parallel)
+    spec = LossSpec.from_train(tc, cached_teacher=uses_teacher_cache(tc), teacher_lockstep=lockstep)
+    if lockstep and tc.teacher_lockstep == "auto" and spec.needs_teacher_model:
+        log.info("train.teacher_lockstep=auto: the expert exchange spans nodes, so the FCSD teacher's "
+                 "forward runs layer by layer beside the student's (scheduling only)")
     s_cfg, t_cfg = student_config(cfg), teacher_config(cfg)
     s_exe, t_exe = student_execution(cfg), teacher_execution(cfg)
     s_graph, s_abs = abstract_params(s_cfg, s_exe)

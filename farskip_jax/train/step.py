@@ -55,9 +55,10 @@ class LossSpec:
     teacher_lockstep: bool = False
 
     @classmethod
-    def from_train(cls, tc: TrainConfig, cached_teacher: bool) -> LossSpec:
+    def from_train(cls, tc: TrainConfig, cached_teacher: bool, teacher_lockstep: bool = False) -> LossSpec:
+        """`teacher_lockstep`: `train.teacher_lockstep` resolved (`program.resolve_teacher_lockstep`)."""
         return cls(tc.mode, tc.kl_temperature, tc.hidden_l2_weight, tc.kl_chunk_tokens, tc.aux_loss,
-                   cached_teacher, tc.teacher_lockstep)
+                   cached_teacher, teacher_lockstep)
 
     @property
     def needs_teacher_model(self) -> bool:

@@ -491,6 +491,7 @@ class Trainer:
             "remat": self.program.student_exe.remat,
             "expert_per_node": self.parallel.expert_per_node if self.parallel is not None else 0,
             "teacher_experts": "node" if teacher_copies(self.parallel) > 1 else "expert",
+            "teacher_lockstep": self.program.spec.teacher_lockstep,
             "batch_split": self.program.student_exe.batch_split,
         }
 

@@ -208,6 +208,7 @@ def test_trainer_runs_the_executable_it_checked(tiny_data, overrides, tmp_path):
     assert summary["batch_split"] == 1
     assert summary["expert_per_node"] == 0  # mesh.expert_per_node: auto on one machine: flat
     assert summary["teacher_experts"] == "expert"  # ... and so nothing to copy per node
+    assert summary["teacher_lockstep"] is False  # ... and the teacher runs apart (auto)
     assert tr.train_step is tr.remat_choice.compiled[1]
     assert tr.program.train_step._cache_size() == 0  # the jitted step itself never compiled
     assert summary["steps"] == 2 and all(math.isfinite(x) for x in _losses(tmp_path / "fits"))
