@@ -12,10 +12,9 @@ Two kinds of dependency:
   latency-hiding scheduler receives, the consumers of its outputs wait for all of its inputs (XLA
   removes the barrier after scheduling: the final HLO no longer shows the edge). The TP psum
   order, the TP token chunks and FCSD's teacher/student lockstep were measured with it.
-* `after_by_data`, `gated`, `fresh_zeros`: a real data dependency, one tiny op each, which holds
-  through every pass, not only at the scheduler's entry: the expert-parallel Combine waiting for
-  the shared experts, the weight gradients before the input gradient, and buffers that must be
-  neither merged nor hoisted.
+* `after_by_data`, `fresh_zeros`: a real data dependency, one tiny op each, which holds through
+  every pass, not only at the scheduler's entry: the expert-parallel Combine waiting for the shared
+  experts, and buffers that must be neither merged nor hoisted.
 
 Layering: this module imports only JAX. The model (`farskip.py`, `transformer.py`, `dispatch.py`)
 and the expert-parallel dispatcher (`farskip_jax.parallel.expert`) use it, so it sits below both.
@@ -59,23 +58,6 @@ def after_by_data(buffer_rd: jax.Array, dep_nd: jax.Array) -> jax.Array:
     under the Dispatch and the Combine is left to the next layer's attention (FarSkip).
     """
     return buffer_rd.at[:1].set(dep_nd[:1].astype(buffer_rd.dtype))
-
-
-def gated(x: jax.Array, values: Any) -> jax.Array:
-    """`x` times a 1 computed from every array of `values`.
-
-    Contract: whatever reads the result runs after all of `values` are computed. Exact for finite
-    `values` (sign(sum |v| + 1) = 1). A NaN in `values` makes the result NaN, an infinity leaves it
-    unchanged (sign(inf) = 1); either way `values` themselves are non-finite, which is what skips
-    the step. The sum runs over whole arrays: a slice could be fused into its producer and depend
-    on less of it. Use: the routed experts' input gradient gated on their
-    weight gradients (`parallel.expert`), so each MoE layer's weight gradients are done before the
-    backward pass leaves the layer and its grouped-GEMM buffers are freed there, not at the end of
-    the step.
-    """
-    leaves = jax.tree.leaves(values)
-    one = jnp.sign(sum(jnp.sum(jnp.abs(v.astype(jnp.float32))) for v in leaves) + 1.0)
-    return x * one.astype(x.dtype)
 
 
 def fresh_zeros(rows: int, like: jax.Array, dep: jax.Array) -> jax.Array:

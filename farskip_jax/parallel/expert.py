@@ -234,8 +234,14 @@ def _regroup(recv_counts_gl: jax.Array, block_start_g: jax.Array, rows: int) -> 
     return _Regroup(dst_r, src_r, starts_l, jnp.where(sent_r, expert_r, local).astype(jnp.int32))
 
 
-def _expert_ffn_impl(matmul: str, rows_per_group: int, recv_rd: jax.Array, rg: _Regroup, w_gate: jax.Array,
-                     w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+def _expert_ffn(matmul: str, rows_per_group: int, recv_rd: jax.Array, rg: _Regroup, w_gate: jax.Array,
+                w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """This rank's experts over the received rows (regrouped by expert and back): [G*B, D].
+
+    JAX's own VJP. (Until K22 the input gradient was gated on the weight gradients, so that XLA
+    could not defer them to the end of the step with every layer's worst-case grouped-GEMM buffers
+    alive; on jax 0.12 with bounded buffers that gate cost compute and memory instead, BENCHMARKS.md
+    K22.)"""
     if matmul == "padded":  # received rows straight into the [L, C, D] buffer, no sorted copy
         local = w_gate.shape[0]
         expert = jnp.minimum(rg.expert_r, local - 1)
@@ -245,36 +251,6 @@ def _expert_ffn_impl(matmul: str, rows_per_group: int, recv_rd: jax.Array, rg: _
     y_rd = grouped_ffn(take_rows(recv_rd, rg.src_r), rg.starts_l, w_gate, w_up, w_down,
                        matmul, rows_per_group)  # type: ignore[arg-type]
     return take_rows(y_rd, rg.dst_r)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _expert_ffn(matmul: str, rows_per_group: int, recv_rd: jax.Array, rg: _Regroup, w_gate: jax.Array,
-                w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """This rank's experts over the received rows (regrouped by expert and back): [G*B, D].
-
-    Why a custom VJP: the weight gradients depend on nothing later in the backward pass, and XLA's
-    scheduler moved them to the end of the step (under the gradient reduce-scatters), which kept
-    every MoE layer's worst-case [L, G*N, D] grouped-GEMM buffers alive at once (DSV2-Lite FCSD,
-    4 x 4096 tokens per H200: 8 of them, 4 GiB each, at the peak). Here the input gradient is
-    multiplied by a 1 computed from the weight gradients, so they are done before the backward
-    pass leaves the layer (`schedule.gated`).
-    """
-    return _expert_ffn_impl(matmul, rows_per_group, recv_rd, rg, w_gate, w_up, w_down)
-
-
-def _expert_ffn_fwd(matmul: str, rows_per_group: int, recv_rd: jax.Array, rg: _Regroup, w_gate: jax.Array,
-                    w_up: jax.Array, w_down: jax.Array) -> tuple[jax.Array, Any]:
-    return jax.vjp(lambda x, wg, wu, wd: _expert_ffn_impl(matmul, rows_per_group, x, rg, wg, wu, wd),
-                   recv_rd, w_gate, w_up, w_down)
-
-
-def _expert_ffn_bwd(matmul: str, rows_per_group: int, vjp: Any, ct: jax.Array) -> tuple[Any, ...]:
-    del matmul, rows_per_group
-    d_x, *d_w = vjp(ct)
-    return (schedule.gated(d_x, d_w), None, *d_w)
-
-
-_expert_ffn.defvjp(_expert_ffn_fwd, _expert_ffn_bwd)
 
 
 class _Plan(NamedTuple):
