@@ -147,8 +147,9 @@ def with_teacher_layout(parallel: ExpertParallel | None, setting: Literal["auto"
 def resolve_teacher_lockstep(setting: bool | Literal["auto"], parallel: ExpertParallel | None) -> bool:
     """`train.teacher_lockstep` as the FCSD step runs it: auto is on where the student's expert
     exchange spans nodes. There the student's NIC exchanges are the longest collectives of the step
-    and the teacher's layer is the compute XLA leaves out from under them (est. -2.9% / -2.1% step
-    on 5-layer EP32 H200 / MI300X slices); on one node it moved the step by 0.1% (BENCHMARKS.md K22)."""
+    and the teacher's layer is the compute XLA leaves out from under them (EP32 FCSD, est. 1103.0 ->
+    1039.6 ms on H200, 887.3 -> 839.8 ms on MI300X); on one node it moved a 5-layer slice by 0.1%
+    (BENCHMARKS.md K22)."""
     if setting != "auto":
         return setting
     return parallel is not None and parallel.nodes > 1
