@@ -190,25 +190,27 @@ def run_inspect(args: argparse.Namespace, build_step: BuildStep,
             what = (f"node-aware exchange, {args.mesh['expert'] // per_node} nodes of {per_node} expert ranks"
                     if per_node else "flat exchange")
             print(f"inspect: mesh.expert_per_node=auto: {per_node} on {args.target} ({what})")
+        from farskip_jax.parallel import ExpertParallel
+
+        # the FCSD teacher's layout and lockstep (None outside fcsd) as the trainer resolves them
+        lockstep = getattr(args, "teacher_lockstep", None)
+        fcsd = lockstep is not None or getattr(args, "teacher_experts", None) is not None
+        par = ExpertParallel(mesh, expert_per_node=per_node) if fcsd else None
         if getattr(args, "teacher_experts", None) is not None and per_node:
-            from farskip_jax.parallel import ExpertParallel
             from farskip_jax.train.program import teacher_copy_bytes, with_teacher_layout
 
             setting, t_abs = args.teacher_experts
-            par = ExpertParallel(mesh, expert_per_node=per_node)
             inside = with_teacher_layout(par, setting, t_abs).teacher_in_node
             exchange_meta["teacher_experts"] = "node" if inside else "expert"
             print(f"inspect: mesh.teacher_experts={setting}: the FCSD teacher's routed experts "
                   + (f"inside each node of {per_node} (+{teacher_copy_bytes(t_abs, par) / 2**30:.2f} GiB per "
                      "device), its exchanges off the NICs" if inside else "over the whole expert axis"))
-        if getattr(args, "teacher_lockstep", None) is not None:
-            from farskip_jax.parallel import ExpertParallel
+        if lockstep is not None:
             from farskip_jax.train.program import resolve_teacher_lockstep
 
-            par = ExpertParallel(mesh, expert_per_node=per_node)
-            on = resolve_teacher_lockstep(args.teacher_lockstep, par)
+            on = resolve_teacher_lockstep(lockstep, par)
             exchange_meta["teacher_lockstep"] = on
-            print(f"inspect: train.teacher_lockstep={str(args.teacher_lockstep).lower()}: "
+            print(f"inspect: train.teacher_lockstep={str(lockstep).lower()}: "
                   + ("the teacher's forward layer by layer beside the student's" if on else "off"))
     reports: dict[str, Any] = {}
     analyses: dict[str, Any] = {}

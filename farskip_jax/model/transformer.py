@@ -329,7 +329,8 @@ def _join_attention_inputs(states: list[tuple[Any, Any]]) -> list[tuple[Any, Any
     Why not the whole state: under FarSkip x = y + R carries the layer's routed output, the
     Combine, which FarSkip lets run under the next layer's attention; a barrier on x would make
     that attention wait for the Combine (on the 5-layer EP32 H200 FCSD step, est. 261.7 ms with the
-    whole state joined, 257.6 ms with y: BENCHMARKS.md K22)."""
+    whole state joined, 257.6 ms with y: BENCHMARKS.md K22). Where a FarSkip range ends, the next
+    (regular) layer reads x, so the barrier holds nothing of that one layer's attention."""
     picks = [1 if jax.tree.leaves(y) else 0 for _, y in states]
     joined = schedule.join(*[state[k] for state, k in zip(states, picks, strict=True)])
     return [(v, y) if k == 0 else (x, v) for (x, y), k, v in zip(states, picks, joined, strict=True)]
