@@ -22,11 +22,13 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.experimental.xla_metadata import set_xla_metadata
 
 from farskip_jax.config import ExecutionConfig, ModelConfig
 from farskip_jax.model.dispatch import drop_over_capacity, resolve_matmul, routed_experts, rows_per_expert
 from farskip_jax.model.layers import DTYPES, MLP, normal_init
 from farskip_jax.platforms import target_device
+from farskip_jax.xla.costs import EXACT_ROWS_ATTR
 
 
 @jax.tree_util.register_dataclass
@@ -137,7 +139,8 @@ def local_routed(x_nd: jax.Array, routing: Routing, experts: RoutedExperts, cfg:
     """All experts on this device: sort, grouped matmul, un-sort. Returns (routed [N, D], aux). The
     sorted rows are exactly the N*K assignments, so nothing can overflow."""
     ids_nk, dropped = drop_over_capacity(routing.experts_nk, routing.weights_nk, routing.seq_len, cfg, exe)
-    with jax.named_scope("experts"):
+    # every static row of its grouped GEMMs holds an assignment: the inspector prices them in full
+    with jax.named_scope("experts"), set_xla_metadata(**{EXACT_ROWS_ATTR: 1}):
         routed = routed_experts(x_nd, ids_nk, routing.weights_nk, experts.w_gate[...], experts.w_up[...],
                                 experts.w_down[...],
                                 resolve_matmul(exe.expert_matmul, target_device(), cfg.dtype),

@@ -72,6 +72,7 @@ def _json_ints(attrs: str, key: str) -> list[int] | None:
 
 # Kinds of matrix work, as ``dot_flops_by_kind`` splits them.
 DOT_KINDS = ("dot", "convolution", "gemm", "grouped_gemm", "attention_kernel")
+_EXACT_GROUPED = "grouped_gemm_exact_rows"  # the part of grouped_gemm with `EXACT_ROWS_ATTR` (not a kind)
 
 
 def tokamax_op(ins: Instr) -> str:
@@ -240,6 +241,26 @@ def instr_flops(mod: HloModule, comp: Computation, ins: Instr, _depth: int = 0) 
     return sum(dot_flops_by_kind(mod, comp, ins, _depth).values())
 
 
+# Frontend attribute (`jax.experimental.xla_metadata.set_xla_metadata(exact_rows=1)`) of the ops of a
+# grouped GEMM whose static rows all hold tokens: the one-device routed experts sort exactly the N*K
+# assignments (`model.moe.local_routed`). `CostModel` prices those in full, whatever the module's
+# `grouped_fill` (the balanced share of the bounded expert-parallel receive buffers), so a program
+# that holds both (an FCSD teacher with `mesh.teacher_experts: local` beside an expert-parallel
+# student) is priced as it computes.
+EXACT_ROWS_ATTR = "exact_rows"
+
+
+def has_exact_rows(ins: Instr, mod: HloModule | None = None) -> bool:
+    """`ins` (or, for a fusion, its root) was traced under `EXACT_ROWS_ATTR`."""
+    if f'{EXACT_ROWS_ATTR}="1"' in ins.attrs:
+        return True
+    if ins.opcode == "fusion" and mod is not None:
+        sub = mod.computations.get(ins.attr("calls") or "")
+        root = _through_bitcasts(sub, sub.root) if sub is not None and sub.root is not None else None
+        return root is not None and root is not ins and f'{EXACT_ROWS_ATTR}="1"' in root.attrs
+    return False
+
+
 def is_grouped_gemm(ins: Instr, mod: HloModule | None = None) -> bool:
     """A grouped GEMM over sorted rows (``jax.lax.ragged_dot``): XLA's ``ragged-dot`` op, the
     hipBLASLt/cuBLASLt grouped-matmul custom call it lowers to, a tokamax ragged_dot kernel, or (with
@@ -395,7 +416,8 @@ class CostModel:
     tokens. A dropless
     expert-parallel receive buffer is sized for every peer sending all its rows to one rank (8x the
     rows balanced routing delivers on DSV2-Lite at EP=8), and the grouped GEMM computes only the
-    rows its groups hold; 1.0 charges the static worst case.
+    rows its groups hold; 1.0 charges the static worst case. A grouped GEMM declared with
+    ``EXACT_ROWS_ATTR`` is charged in full.
     """
 
     def __init__(self, mod: HloModule, hw: dict[str, Any], grouped_fill: float = 1.0,
@@ -428,7 +450,7 @@ class CostModel:
             flops = instr_flops(self.mod, comp, ins)
             nbytes = instr_bytes(comp, ins, self.mod, comp.name in self.loop_computations)
             t = max(flops / self.hw["peak_flops"], nbytes / self.hw["hbm_bw"]) * 1e6
-            if is_grouped_gemm(ins, self.mod):
+            if is_grouped_gemm(ins, self.mod) and not has_exact_rows(ins, self.mod):
                 t *= self.grouped_fill
         self._cost[key] = t
         return t
@@ -481,7 +503,10 @@ class CostModel:
                 branches = [self.comp_dot_flops(c) for c in ins.called()]
                 add(max(branches, key=lambda d: sum(d.values()), default={}))
             elif collective_kind(self.mod, ins) is None:
-                add(dot_flops_by_kind(self.mod, comp, ins))
+                flops = dot_flops_by_kind(self.mod, comp, ins)
+                add(flops)
+                if "grouped_gemm" in flops and has_exact_rows(ins, self.mod):
+                    add({_EXACT_GROUPED: flops["grouped_gemm"]})
         self._comp_flops[name] = acc
         return acc
 
@@ -491,9 +516,9 @@ class CostModel:
         ``priced`` (grouped GEMMs at ``grouped_fill`` of their rows, as the cost model charges them)
         and ``by_kind``."""
         by_kind = self.comp_dot_flops(self.mod.entry)
-        static = sum(by_kind.values())
-        grouped = by_kind.get("grouped_gemm", 0.0)
-        return {"static": static, "priced": static - (1.0 - self.grouped_fill) * grouped,
+        static = sum(by_kind.get(k, 0.0) for k in DOT_KINDS)
+        bounded = by_kind.get("grouped_gemm", 0.0) - by_kind.get(_EXACT_GROUPED, 0.0)
+        return {"static": static, "priced": static - (1.0 - self.grouped_fill) * bounded,
                 "grouped_fill": self.grouped_fill, "by_kind": {k: by_kind.get(k, 0.0) for k in DOT_KINDS}}
 
     def comp_time_us(self, name: str) -> float:

@@ -316,6 +316,29 @@ def test_kernel_custom_calls_are_priced_by_their_flops_and_bytes() -> None:
     assert dots["priced"] == pytest.approx(dots["static"] - 0.875 * grouped)
 
 
+def test_grouped_gemms_with_exact_rows_are_priced_in_full() -> None:
+    """A grouped GEMM traced under `EXACT_ROWS_ATTR` (the one-device routed experts: every static row
+    an assignment, e.g. an FCSD teacher with `mesh.teacher_experts: local`) is charged in full
+    beside the bounded buffers' grouped GEMMs, which stay at the module's fill."""
+    text = (DATA / "kernels.hlo").read_text()
+    exact = text.replace('%tk_gemm = bf16[1024,256]{1,0} custom-call(%t, %tw, %tg), ',
+                         '%tk_gemm = bf16[1024,256]{1,0} custom-call(%t, %tw, %tg), '
+                         f'frontend_attributes={{{costs.EXACT_ROWS_ATTR}="1"}}, ')
+    assert exact != text
+    main_of = lambda m: m.computations[m.entry]  # noqa: E731
+    mod, mod_exact = hlo_parse.parse_hlo(text), hlo_parse.parse_hlo(exact)
+    an, an_exact = costs.CostModel(mod, H200, 0.125), costs.CostModel(mod_exact, H200, 0.125)
+    for name, scale in (("tk_gemm", 8.0), ("dw", 1.0)):
+        t = an.op_time_us(main_of(mod), main_of(mod).by_name[name])
+        assert t > 0 and an_exact.op_time_us(main_of(mod_exact), main_of(mod_exact).by_name[name]) == (
+            pytest.approx(scale * t))
+    tk, dw = 2 * 1024 * 512 * 256, 2 * 8192 * 2048 * 1408
+    dots, dots_exact = an.dot_flops(), an_exact.dot_flops()
+    assert dots_exact["static"] == dots["static"] and dots_exact["by_kind"] == dots["by_kind"]
+    assert dots["priced"] == pytest.approx(dots["static"] - 0.875 * (dw + tk))
+    assert dots_exact["priced"] == pytest.approx(dots["static"] - 0.875 * dw)
+
+
 def test_static_dot_flops_weight_loop_bodies_by_their_trips() -> None:
     """nested_while.hlo: the entry's dot once, the body's dot on each of its 4 trips."""
     text = (DATA / "nested_while.hlo").read_text()
