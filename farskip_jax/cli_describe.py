@@ -151,13 +151,15 @@ def describe(cfg: ModelConfig, mesh: dict[str, int], train: Config | None = None
         teacher = ""
         if train.train.mode == "fcsd":
             t_bytes = DTYPE_BYTES[train.train.teacher_dtype]
-            from farskip_jax.train.program import teacher_node_share
+            from farskip_jax.train.program import teacher_copy_share
 
-            copies = teacher_node_share(train.mesh.teacher_experts, routed * t_bytes, mesh["expert"],
+            copies = teacher_copy_share(train.mesh.teacher_experts, routed * t_bytes, mesh["expert"],
                                         train_nodes(train, mesh))
             state += (weights + routed * copies) * t_bytes
             teacher = ", FCSD teacher"
-            if copies:
+            if copies and train.mesh.teacher_experts == "local":
+                teacher += " with all of its routed experts on every device"
+            elif copies:
                 teacher += f" with its routed experts in each node of {train_nodes(train, mesh)} ranks"
         out["training_state_bytes_per_device"] = state
         out["training_state_parts"] = "weights, AdamW moments" + teacher

@@ -388,9 +388,14 @@ class MeshConfig:
     # xGMI and the NICs carry only the student's (the teacher has no gradients or optimizer state;
     # each device holds a node's share of its experts instead of the expert axis' share: +2.5 GiB
     # for DeepSeek-V2-Lite on 4 nodes of 8). expert: over the whole expert axis, as the student's.
+    # local: all of them on every device, so the teacher exchanges nothing and holds no receive
+    # buffer, and its whole layer is compute that XLA can place under the student's exchanges; it
+    # costs (1 - 1/expert) of its routed bytes per device (+23.5 GiB of weights for DeepSeek-V2-Lite
+    # at EP8, +26.0 at EP32, less the receive buffers it no longer fills). Est. 4-7% faster FCSD
+    # steps on H200, no faster on MI300X (BENCHMARKS.md K23): set by hand, auto never picks it.
     # auto (default): node where the exchange is node-aware and the copies add at most 4 GiB per
     # device (train/program.py:with_teacher_layout; DeepSeek-V3's would not), else expert.
-    teacher_experts: Literal["auto", "node", "expert"] = "auto"
+    teacher_experts: Literal["auto", "local", "node", "expert"] = "auto"
 
     def validate(self) -> None:
         for name in ("data", "expert", "tensor"):

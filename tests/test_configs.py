@@ -173,7 +173,8 @@ def test_bad_value_names_key_and_allowed_values():
         load_config("tiny", {"model.farskip.enabled": True, "model.farskip.end_idx": 99})
     with pytest.raises(ConfigError, match="attn_only.*mlp_only"):
         load_config("tiny", {"model.farskip.attn_only": True, "model.farskip.mlp_only": True})
-    with pytest.raises(ConfigError, match=r"mesh\.teacher_experts='nodes'.*'auto', 'node', 'expert'"):
+    with pytest.raises(ConfigError,
+                       match=r"mesh\.teacher_experts='nodes'.*'auto', 'local', 'node', 'expert'"):
         load_config("tiny", {"mesh.teacher_experts": "nodes"})
 
 

@@ -196,15 +196,22 @@ def run_inspect(args: argparse.Namespace, build_step: BuildStep,
         lockstep = getattr(args, "teacher_lockstep", None)
         fcsd = lockstep is not None or getattr(args, "teacher_experts", None) is not None
         par = ExpertParallel(mesh, expert_per_node=per_node) if fcsd else None
-        if getattr(args, "teacher_experts", None) is not None and per_node:
+        teacher_experts = getattr(args, "teacher_experts", None)
+        if teacher_experts is not None and (per_node or teacher_experts[0] == "local"):
             from farskip_jax.train.program import teacher_copy_bytes, with_teacher_layout
 
-            setting, t_abs = args.teacher_experts
-            inside = with_teacher_layout(par, setting, t_abs).teacher_in_node
-            exchange_meta["teacher_experts"] = "node" if inside else "expert"
-            print(f"inspect: mesh.teacher_experts={setting}: the FCSD teacher's routed experts "
-                  + (f"inside each node of {per_node} (+{teacher_copy_bytes(t_abs, par) / 2**30:.2f} GiB per "
-                     "device), its exchanges off the NICs" if inside else "over the whole expert axis"))
+            setting, t_abs = teacher_experts
+            par = with_teacher_layout(par, setting, t_abs)  # the lockstep's rule below reads it
+            layout = par.teacher_experts
+            exchange_meta["teacher_experts"] = layout
+            if layout == "expert":
+                where = "over the whole expert axis"
+            else:
+                gib = teacher_copy_bytes(t_abs, par, layout) / 2**30
+                where = (f"all on every device (+{gib:.2f} GiB per device), no exchange" if layout == "local"
+                         else f"inside each node of {per_node} (+{gib:.2f} GiB per device), its "
+                              "exchanges off the NICs")
+            print(f"inspect: mesh.teacher_experts={setting}: the FCSD teacher's routed experts {where}")
         if lockstep is not None:
             from farskip_jax.train.program import resolve_teacher_lockstep
 

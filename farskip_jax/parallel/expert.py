@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +64,7 @@ from farskip_jax.model.dispatch import (
     take_rows,
     weighted_sum,
 )
-from farskip_jax.model.moe import RoutedExperts, Routing, SharedFn
+from farskip_jax.model.moe import RoutedExperts, Routing, SharedFn, local_routed
 from farskip_jax.parallel.mesh import BATCH_AXES, param_specs_tree
 from farskip_jax.platforms import device_family
 from farskip_jax.xla.links import BALANCED_ROWS_ATTR
@@ -103,17 +103,18 @@ class ExpertParallel:
     so); False: the worst case (`worst_case()`), which never overflows. `expert_per_node`
     (`mesh.expert_per_node`): 0, or at least `expert`, is the flat exchange; a divisor of `expert`
     factors it into nodes of that many ranks and runs the two-stage exchange of
-    parallel/node_aware.py (each token crosses to a node once). `teacher_in_node`
-    (`mesh.teacher_experts`): the frozen FCSD teacher runs on `for_teacher()`'s layout.
+    parallel/node_aware.py (each token crosses to a node once). `teacher_experts`
+    (`mesh.teacher_experts` as resolved): the frozen FCSD teacher runs on `for_teacher()`'s layout.
     `experts_in_node`: the expert stacks hold one copy of every expert per node ([nodes x E, ...],
     `tile_per_node`), so each node's ranks split all E among themselves and the exchange runs inside
-    each node (over the node's `expert_per_node` ranks: no NIC crossing)."""
+    each node (over the node's `expert_per_node` ranks: no NIC crossing); with nodes of one rank
+    every device holds all E and nothing is exchanged."""
 
     mesh: Mesh
     reduce: None = None
     bounded: bool = True
     expert_per_node: int = 0
-    teacher_in_node: bool = False
+    teacher_experts: Literal["expert", "node", "local"] = "expert"
     experts_in_node: bool = False
 
     def __post_init__(self) -> None:
@@ -131,15 +132,20 @@ class ExpertParallel:
         return dataclasses.replace(self, bounded=False)
 
     def for_teacher(self) -> ExpertParallel:
-        """The frozen teacher's parallelism. With `teacher_in_node` on an expert axis that spans nodes,
-        its routed experts are copied on every node and split over that node's ranks
-        (`experts_in_node`), so its Dispatch and Combine never cross a NIC: a frozen model has no
-        gradients or optimizer state to keep in step, so the copies cost only its expert weights
-        (each rank holds E / expert_per_node experts instead of E / expert) and leave the NICs to
-        the student's exchanges. Otherwise `self`."""
-        if not self.teacher_in_node or self.nodes == 1:
+        """The frozen teacher's parallelism. A frozen model has no gradients or optimizer state to
+        keep in step, so its routed experts can be copied for communication's sake at the cost of
+        their weights alone. `teacher_experts` "node" (on an expert axis that spans nodes): copied
+        on every node and split over that node's ranks (`experts_in_node`; each rank holds
+        E / expert_per_node experts instead of E / expert), so its Dispatch and Combine never cross
+        a NIC and leave the NICs to the student's exchanges. "local": every rank holds all E (nodes
+        of one rank), so the teacher exchanges nothing, holds no receive buffer, and its whole layer
+        is compute that XLA can place under the student's exchanges. Otherwise `self`."""
+        if self.teacher_experts == "local":
+            return dataclasses.replace(self, teacher_experts="expert", experts_in_node=True,
+                                       expert_per_node=1)
+        if self.teacher_experts == "expert" or self.nodes == 1:
             return self
-        return dataclasses.replace(self, teacher_in_node=False, experts_in_node=True)
+        return dataclasses.replace(self, teacher_experts="expert", experts_in_node=True)
 
     @property
     def exchange_ranks(self) -> int:
@@ -172,6 +178,8 @@ class ExpertParallel:
         buffers); the model sums it over layers, and a nonzero sum means the result is void.
         """
         groups = self.exchange_ranks
+        if groups == 1:
+            return self._local_routed(x_nd, routing, experts, cfg, exe, shared_fn)
         if cfg.n_routed_experts % groups:
             raise ValueError(f"n_routed_experts={cfg.n_routed_experts} is not divisible by "
                              f"{groups} expert ranks")
@@ -194,6 +202,36 @@ class ExpertParallel:
         routed = smap(ep.combine, in_specs=(tokens, tokens, tokens, tokens), out_specs=tokens)(
             back_rd, srt, routing.weights_nk, x_nd if shared is None else shared)
         return routed, {"dropped_fraction": dropped, "moe_overflow": overflow}, shared
+
+
+    def _local_routed(self, x_nd: jax.Array, routing: Routing, experts: RoutedExperts, cfg: ModelConfig,
+                      exe: ExecutionConfig, shared_fn: SharedFn | None
+                      ) -> tuple[jax.Array, dict[str, jax.Array], jax.Array | None]:
+        """`routed_with_shared` where every rank holds all E experts (`for_teacher`'s "local"): each
+        shard runs the one-device path (`model.moe.local_routed`) on its own tokens. Nothing is
+        exchanged, and its rows are exactly its N*K assignments, so nothing can overflow."""
+        tokens, stacks = P(BATCH_AXES), P("expert", None, None)
+
+        def shard(x: jax.Array, weights_nk: jax.Array, experts_nk: jax.Array, w_gate: jax.Array,
+                  w_up: jax.Array, w_down: jax.Array) -> tuple[jax.Array, jax.Array]:
+            on_shard = Routing(weights_nk, experts_nk, {}, routing.seq_len)
+            routed, aux = local_routed(x, on_shard, _Stacks(w_gate, w_up, w_down), cfg, exe)
+            return routed, jax.lax.pmean(aux["dropped_fraction"], BATCH_AXES)
+
+        routed, dropped = jax.shard_map(
+            shard, mesh=self.mesh, in_specs=(tokens, tokens, tokens, stacks, stacks, stacks),
+            out_specs=(tokens, P()))(x_nd, routing.weights_nk, routing.experts_nk, experts.w_gate[...],
+                                     experts.w_up[...], experts.w_down[...])
+        shared = None if shared_fn is None else shared_fn(x_nd)
+        return routed, {"dropped_fraction": dropped, "moe_overflow": jnp.zeros((), jnp.int32)}, shared
+
+
+class _Stacks(NamedTuple):
+    """One shard's routed-expert weights, as `local_routed` reads a `RoutedExperts`."""
+
+    w_gate: jax.Array
+    w_up: jax.Array
+    w_down: jax.Array
 
 
 class _Regroup(NamedTuple):

@@ -93,12 +93,17 @@ def parallel_for(mesh: Mesh, expert_per_node: int | Literal["auto"] = 0) -> Expe
 TEACHER_COPY_LIMIT = 4 * 2**30
 
 
-def teacher_node_share(setting: Literal["auto", "node", "expert"], routed_bytes: float, expert: int,
-                       per_node: int) -> float:
+TeacherExperts = Literal["auto", "local", "node", "expert"]
+
+
+def teacher_copy_share(setting: TeacherExperts, routed_bytes: float, expert: int, per_node: int) -> float:
     """`mesh.teacher_experts`' rule: the share of the teacher's routed bytes (`routed_bytes` in all)
-    each device holds beyond routed / expert when they live inside each node of `per_node` expert
-    ranks (1 / per_node - 1 / expert), or 0 where they stay over the whole expert axis (one node, the
-    flat exchange, `expert`, or `auto` where that would add more than TEACHER_COPY_LIMIT bytes)."""
+    each device holds beyond routed / expert: all of them with `local` (1 - 1 / expert); inside each
+    node of `per_node` expert ranks with `node`, or `auto` where that adds at most
+    TEACHER_COPY_LIMIT bytes (1 / per_node - 1 / expert); else 0 (one node, the flat exchange,
+    `expert`)."""
+    if setting == "local":
+        return 1 - 1 / expert
     if not 0 < per_node < expert or setting == "expert":
         return 0.0
     share = 1 / per_node - 1 / expert
@@ -112,47 +117,58 @@ def teacher_routed_bytes(teacher_abstract: nnx.State) -> int:
     return sum(x.size * x.dtype.itemsize for x, spec in zip(leaves, specs, strict=True) if "expert" in spec)
 
 
-def teacher_copy_bytes(teacher_abstract: nnx.State, parallel: ExpertParallel) -> float:
-    """Bytes per device the teacher's routed experts add when split over a node's expert ranks
-    instead of the whole expert axis (0 on one node)."""
-    return teacher_routed_bytes(teacher_abstract) * teacher_node_share(
-        "node", 0, parallel.mesh.shape["expert"], parallel.expert_per_node)
+def teacher_copy_bytes(teacher_abstract: nnx.State, parallel: ExpertParallel,
+                       setting: Literal["local", "node"] = "node") -> float:
+    """Bytes per device the teacher's routed experts add over the whole expert axis' share: split
+    over a node's expert ranks (`node`, 0 on one node) or all on every device (`local`)."""
+    return teacher_routed_bytes(teacher_abstract) * teacher_copy_share(
+        setting, 0, parallel.mesh.shape["expert"], parallel.expert_per_node)
 
 
 def teacher_copies(parallel: ExpertParallel | None) -> int:
     """Copies of the teacher's routed experts the mesh holds (`tile_per_node`): one per node where
-    they live inside each node, else 1."""
+    they live inside each node, one per expert rank where every device holds them all, else 1."""
     t = teacher_parallel(parallel)
     return t.nodes if t is not None and t.experts_in_node else 1
 
 
-def with_teacher_layout(parallel: ExpertParallel | None, setting: Literal["auto", "node", "expert"],
+def with_teacher_layout(parallel: ExpertParallel | None, setting: TeacherExperts,
                         teacher_abstract: nnx.State) -> ExpertParallel | None:
     """`parallel` with the teacher's experts placed as `mesh.teacher_experts` says
-    (`ExpertParallel.for_teacher`, `teacher_node_share`'s rule)."""
-    if parallel is None or parallel.nodes == 1 or setting == "expert":
+    (`ExpertParallel.for_teacher`, `teacher_copy_share`'s rule)."""
+    if parallel is None or setting == "expert":
+        return parallel
+    if setting == "local":
+        log.info("FCSD teacher: all of its routed experts on every device (mesh.teacher_experts=local), "
+                 "+%.2f GiB per device; it exchanges nothing",
+                 teacher_copy_bytes(teacher_abstract, parallel, "local") / 2**30)
+        return dataclasses.replace(parallel, teacher_experts="local")
+    if parallel.nodes == 1:
         return parallel
     routed = teacher_routed_bytes(teacher_abstract)
     expert, per_node = parallel.mesh.shape["expert"], parallel.expert_per_node
-    extra_gib = routed * teacher_node_share("node", routed, expert, per_node) / 2**30
-    if not teacher_node_share(setting, routed, expert, per_node):
+    extra_gib = routed * teacher_copy_share("node", routed, expert, per_node) / 2**30
+    if not teacher_copy_share(setting, routed, expert, per_node):
         log.info("mesh.teacher_experts=auto: the teacher's routed experts stay over the expert axis (inside "
                  "each node they would add %.1f GiB per device)", extra_gib)
         return parallel
     log.info("FCSD teacher: routed experts inside each node of %d ranks (mesh.teacher_experts=%s), +%.2f GiB "
              "per device; its exchanges stay off the NICs", per_node, setting, extra_gib)
-    return dataclasses.replace(parallel, teacher_in_node=True)
+    return dataclasses.replace(parallel, teacher_experts="node")
 
 
 def resolve_teacher_lockstep(setting: bool | Literal["auto"], parallel: ExpertParallel | None) -> bool:
     """`train.teacher_lockstep` as the FCSD step runs it: auto is on where the student's expert
-    exchange spans nodes. There the student's NIC exchanges are the longest collectives of the step
-    and the teacher's layer is the compute XLA leaves out from under them (EP32 FCSD, est. 1103.0 ->
-    1039.6 ms on H200, 887.3 -> 839.8 ms on MI300X); on one node it moved a 5-layer slice by 0.1%
-    (BENCHMARKS.md K22)."""
+    exchange spans nodes, or where the teacher's routed experts are on every device
+    (`mesh.teacher_experts: local`). Across nodes the student's NIC exchanges are the longest
+    collectives of the step and the teacher's layer is the compute XLA leaves out from under them
+    (EP32 FCSD, est. 1103.0 -> 1039.6 ms on H200, 887.3 -> 839.8 ms on MI300X); a local teacher's
+    layer is all compute, and beside the student's it hides more on one node too (8-MI300X FCSD,
+    est. 506.0 -> 498.2 ms), where with the spread teacher it moved a 5-layer slice by 0.1%
+    (BENCHMARKS.md K22, K23). `parallel`: with the teacher's layout applied (`with_teacher_layout`)."""
     if setting != "auto":
         return setting
-    return parallel is not None and parallel.nodes > 1
+    return parallel is not None and (parallel.nodes > 1 or parallel.teacher_experts == "local")
 
 
 def resolve_expert_per_node(mesh: Mesh, setting: int | Literal["auto"]) -> int:
@@ -285,17 +301,18 @@ def build_program(cfg: Config, mesh: Mesh) -> TrainProgram:
     if cfg.execution.remat == "auto":
         cfg = remat.with_remat(cfg, remat.candidates("auto", parallel is not None)[0])
     tc = cfg.train
-    lockstep = resolve_teacher_lockstep(tc.teacher_lockstep, parallel)
-    spec = LossSpec.from_train(tc, cached_teacher=uses_teacher_cache(tc), teacher_lockstep=lockstep)
-    if lockstep and tc.teacher_lockstep == "auto" and spec.needs_teacher_model:
-        log.info("train.teacher_lockstep=auto: the expert exchange spans nodes, so the FCSD teacher's "
-                 "forward runs layer by layer beside the student's (scheduling only)")
     s_cfg, t_cfg = student_config(cfg), teacher_config(cfg)
     s_exe, t_exe = student_execution(cfg), teacher_execution(cfg)
     s_graph, s_abs = abstract_params(s_cfg, s_exe)
     t_graph, t_abs = abstract_params(t_cfg, t_exe)
     if tc.mode == "fcsd":
         parallel = with_teacher_layout(parallel, cfg.mesh.teacher_experts, t_abs)
+    lockstep = resolve_teacher_lockstep(tc.teacher_lockstep, parallel)
+    spec = LossSpec.from_train(tc, cached_teacher=uses_teacher_cache(tc), teacher_lockstep=lockstep)
+    if lockstep and tc.teacher_lockstep == "auto" and spec.needs_teacher_model:
+        log.info("train.teacher_lockstep=auto: the expert exchange spans nodes or the teacher exchanges "
+                 "nothing, so the FCSD teacher's forward runs layer by layer beside the student's "
+                 "(scheduling only)")
     schedule = lr_schedule(tc)
     tx = make_optimizer(tc, s_abs)
     shardings = step_shardings(s_abs, tx, mesh, tc.zero1,

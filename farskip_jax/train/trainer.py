@@ -30,7 +30,7 @@ from farskip_jax.errors import UserError
 from farskip_jax.train import batches, remat, scheduled_step, setup
 from farskip_jax.train.early_stop import EarlyStopper
 from farskip_jax.train.metrics_log import MetricsLog
-from farskip_jax.train.program import TrainProgram, build_program, teacher_copies
+from farskip_jax.train.program import TrainProgram, build_program
 from farskip_jax.train.teacher_cache import TeacherCache
 from farskip_jax.train.zero1 import batch_devices
 
@@ -490,7 +490,7 @@ class Trainer:
             "loss_tokens": tokens_seen, "wall_s": elapsed, **self.counts, **self._host_gap(),
             "remat": self.program.student_exe.remat,
             "expert_per_node": self.parallel.expert_per_node if self.parallel is not None else 0,
-            "teacher_experts": "node" if teacher_copies(self.parallel) > 1 else "expert",
+            "teacher_experts": self.parallel.teacher_experts if self.parallel is not None else "expert",
             "teacher_lockstep": self.program.spec.teacher_lockstep,
             "batch_split": self.program.student_exe.batch_split,
         }

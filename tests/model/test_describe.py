@@ -67,11 +67,13 @@ def test_describe_a_config_and_its_errors() -> None:
     assert _describe("--checkpoint", "/nonexistent").returncode == 2
 
 
-@pytest.mark.parametrize("per_node", [0, 4], ids=["one_node", "two_nodes"])
-def test_training_state_is_what_the_trainer_holds_per_device(per_node: int) -> None:
+@pytest.mark.parametrize(("per_node", "teacher"), [(0, "auto"), (4, "auto"), (0, "local")],
+                         ids=["one_node", "two_nodes", "teacher_local"])
+def test_training_state_is_what_the_trainer_holds_per_device(per_node: int, teacher: str) -> None:
     """describe's training state per device == the bytes of one device's shards of the trainer's own
     state and teacher (ZeRO-1 keeps the replicated weights' masters and moments split; on 2 nodes of
-    4 the teacher's routed experts are copied on each node, `mesh.teacher_experts: auto`)."""
+    4 the teacher's routed experts are copied on each node, `mesh.teacher_experts: auto`, and with
+    `local` all of them on every device)."""
     import jax
 
     from farskip_jax.config import load_config
@@ -79,10 +81,11 @@ def test_training_state_is_what_the_trainer_holds_per_device(per_node: int) -> N
     from farskip_jax.train.program import build_program
 
     res = _describe("--config", "tiny", "--mesh", "expert=8", "--set", f"mesh.expert_per_node={per_node}",
-                    "--json")
+                    "--set", f"mesh.teacher_experts={teacher}", "--json")
     assert res.returncode == 0, res.stderr
     described = json.loads(res.stdout)
-    cfg = load_config("tiny", {"mesh.expert": 8, "mesh.expert_per_node": per_node})
+    cfg = load_config("tiny", {"mesh.expert": 8, "mesh.expert_per_node": per_node,
+                               "mesh.teacher_experts": teacher})
     prog = build_program(cfg, make_mesh(cfg.mesh, jax.devices()[:8]))
     state = prog.abstract_state()
     trees = (state["params"], state["opt_state"], prog.abstract_teacher())
@@ -91,3 +94,5 @@ def test_training_state_is_what_the_trainer_holds_per_device(per_node: int) -> N
     assert cfg.train.zero1 and cfg.train.mode == "fcsd"
     assert described["training_state_bytes_per_device"] == pytest.approx(held, rel=1e-9)
     assert ("in each node of 4 ranks" in described["training_state_parts"]) == (per_node == 4)
+    assert ("all of its routed experts on every device" in described["training_state_parts"]) == (
+        teacher == "local")

@@ -235,7 +235,7 @@ def test_teacher_in_node_equals_one_device(model_reference, model_data, mesh_nam
     graphdef, _ = split(_model_cfg(False), exe=_model_exe("padded"))
     mesh_cfg, per_node = MESHES[mesh_name]
     mesh = make_mesh(mesh_cfg)
-    par = ExpertParallel(mesh, expert_per_node=per_node, teacher_in_node=True)
+    par = ExpertParallel(mesh, expert_per_node=per_node, teacher_experts="node")
     teacher = par.for_teacher()
     assert par.nodes == teacher.nodes == 2 and teacher.experts_in_node and teacher.for_teacher() is teacher
     assert teacher.exchange_ranks == per_node and par.exchange_ranks == mesh_cfg.expert
@@ -260,6 +260,41 @@ def test_teacher_in_node_equals_one_device(model_reference, model_data, mesh_nam
               for ins in comp.instrs if ins.opcode in ("all-to-all", "all-to-all-start")]
     node_of_rank0 = {int(d.id) for d in np.asarray(mesh.devices).reshape(-1)[:per_node]}
     assert any(0 in g for g in groups) and all(set(g) <= node_of_rank0 for g in groups if 0 in g), groups
+
+
+@pytest.mark.parametrize("mesh_name", ["ep8", "dp2xep4_2x2"])
+def test_teacher_local_equals_one_device(model_reference, model_data, mesh_name):
+    """`mesh.teacher_experts: local`: every rank holds all of the frozen teacher's routed experts
+    (`tile_per_node` once per expert rank) and runs the one-device path on its own tokens. Its
+    logits are one device's, and its compiled forward exchanges nothing."""
+    farskip, state, ref_logits, _ = model_reference
+    if farskip:
+        pytest.skip("the teacher has regular connectivity")
+    graphdef, _ = split(_model_cfg(False), exe=_model_exe("ragged"))
+    mesh_cfg, per_node = (MeshConfig(expert=8), 0) if mesh_name == "ep8" else MESHES[mesh_name]
+    mesh = make_mesh(mesh_cfg)
+    teacher = ExpertParallel(mesh, expert_per_node=per_node, teacher_experts="local").for_teacher()
+    assert teacher.exchange_ranks == 1 and teacher.nodes == mesh_cfg.expert
+    ids, _ = model_data
+    placed = place(tile_per_node(state, teacher.nodes), mesh, "ep")
+    w_gate = next(v for p, v in jax.tree_util.tree_leaves_with_path(placed) if "w_gate" in str(p))
+    assert w_gate.shape[0] == mesh_cfg.expert * E and w_gate.addressable_shards[0].data.shape[0] == E
+
+    def logits(s, ids):
+        out = nnx.merge(graphdef, s)(ids, parallel=teacher)
+        return out.logits, out.aux["moe_overflow"]
+
+    args = (placed, jax.device_put(ids, batch_sharding(mesh)))
+    compiled = jax.jit(logits).lower(*args).compile(FAST)
+    out, overflow = compiled(*args)
+    assert int(overflow) == 0
+    err = max_abs_err(out, ref_logits)
+    record("node_aware_model", f"teacher_local/{mesh_name}", "logits", err)
+    assert err <= TOL
+    # no Dispatch or Combine (the all-gathers XLA's partitioner makes of the router's [tokens, x]
+    # scores are there in every layout)
+    ops = {ins.opcode for comp in parse_hlo(compiled.as_text()).computations.values() for ins in comp.instrs}
+    assert not {op for op in ops if "all-to-all" in op}, ops
 
 
 def _abstract(state, shardings):

@@ -24,6 +24,7 @@ from farskip_jax.train.program import (
     teacher_config,
     teacher_copy_bytes,
     teacher_execution,
+    teacher_routed_bytes,
     with_teacher_layout,
 )
 from farskip_jax.train.step import teacher_parallel
@@ -70,22 +71,38 @@ def test_the_teachers_exchanges_stay_inside_the_nodes():
     assert flat == _teacher_parallel("expert", **{"mesh.expert_per_node": 0}) and not flat.experts_in_node
 
 
-@pytest.mark.slow  # two trainer builds and steps on 8 host devices: ~65 s on the CI machine
+def test_a_local_teacher_exchanges_nothing():
+    """`mesh.teacher_experts: local`: the student's exchanges are the program's only all-to-alls,
+    across nodes or on one."""
+    spread, inside, local = _all_to_alls("expert"), _all_to_alls("node"), _all_to_alls("local")
+    print(f"TEACHER_LOCAL all-to-alls by group: teacher over the expert axis {dict(spread)}, inside each "
+          f"node {dict(inside)}, local {dict(local)}")
+    teacher_across = spread[ACROSS] - inside[ACROSS]  # the teacher's exchanges, one per stage
+    assert local[ACROSS] == inside[ACROSS] and local[INSIDE] == inside[INSIDE] - teacher_across
+    teacher = _teacher_parallel("local")
+    assert teacher.exchange_ranks == 1 and teacher.nodes == 8
+    assert _teacher_parallel("local", **{"mesh.expert_per_node": 0}) == teacher
+
+
+@pytest.mark.slow  # three trainer builds and steps on 8 host devices: ~100 s on the CI machine
 def test_fcsd_steps_equal_with_the_teacher_inside_the_nodes():
     results = {}
-    for te in ("expert", "node"):
+    for te in ("expert", "node", "local"):
         prog, models, state = build(_cfg(te))
         w_gate = next(v for p, v in jax.tree_util.tree_leaves_with_path(models.teacher_params)
                       if "w_gate" in str(p))
         batches = random_batches(prog.cfg.model.vocab_size, 2 * batch_devices(prog.mesh), 2, 1, T)
         state, losses, _ = run_steps(prog, models, state, batches)
         results[te] = (losses, jax.tree.leaves(state["params"]), w_gate.addressable_shards[0].data.shape[0])
-    (l0, p0, rows0), (l1, p1, rows1) = results["expert"], results["node"]
-    diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(p0, p1, strict=True))
-    print(f"TEACHER_IN_NODE losses {l0} vs {l1}, max |param diff| after 2 steps {diff:.3g}")
-    assert rows1 == 2 * rows0  # each rank holds a node's share of the teacher's experts: 2x at 2 nodes
-    assert l0[-1] > 0 and all(abs(a - b) <= 1e-6 * abs(a) + 1e-9 for a, b in zip(l0, l1, strict=True))
-    assert diff <= 1e-5
+    l0, p0, rows0 = results["expert"]
+    # each rank holds a node's share of the teacher's experts (2x at 2 nodes), or all of them (8x)
+    for te, copies in (("node", 2), ("local", 8)):
+        l1, p1, rows1 = results[te]
+        diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(p0, p1, strict=True))
+        print(f"TEACHER_{te.upper()} losses {l0} vs {l1}, max |param diff| after 2 steps {diff:.3g}")
+        assert rows1 == copies * rows0
+        assert l0[-1] > 0 and all(abs(a - b) <= 1e-6 * abs(a) + 1e-9 for a, b in zip(l0, l1, strict=True))
+        assert diff <= 1e-5
 
 
 @pytest.mark.parametrize(("name", "expert", "moved", "gib"), [
@@ -99,8 +116,11 @@ def test_auto_moves_the_teacher_where_its_copies_are_small(name, expert, moved, 
     mesh = jax.sharding.AbstractMesh((1, expert, 1), ("data", "expert", "tensor"))
     par = ExpertParallel(mesh, expert_per_node=8)
     assert teacher_copy_bytes(t_abs, par) / 2**30 == pytest.approx(gib, abs=0.01)
-    assert with_teacher_layout(par, "auto", t_abs).teacher_in_node is moved
-    assert with_teacher_layout(par, "node", t_abs).teacher_in_node is True
+    assert with_teacher_layout(par, "auto", t_abs).teacher_experts == ("node" if moved else "expert")
+    assert with_teacher_layout(par, "node", t_abs).teacher_experts == "node"
     assert with_teacher_layout(par, "expert", t_abs) is par
+    local = teacher_copy_bytes(t_abs, par, "local")
+    assert local == pytest.approx(teacher_routed_bytes(t_abs) * (1 - 1 / expert))
+    assert with_teacher_layout(par, "local", t_abs).teacher_experts == "local"
     flat = ExpertParallel(mesh, expert_per_node=0)
     assert teacher_copy_bytes(t_abs, flat) == 0 and with_teacher_layout(flat, "node", t_abs) is flat

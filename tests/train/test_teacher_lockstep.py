@@ -92,10 +92,12 @@ def test_lockstep_joins_the_next_attention_inputs_only():
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices")
-def test_lockstep_auto_is_on_where_the_exchange_spans_nodes():
+def test_lockstep_auto_is_on_where_the_exchange_spans_nodes_or_the_teacher_is_local():
     mesh = make_mesh(MeshConfig(expert=8))
     assert resolve_teacher_lockstep("auto", None) is False
     assert resolve_teacher_lockstep("auto", ExpertParallel(mesh)) is False  # flat, one node
+    # a teacher that exchanges nothing (`mesh.teacher_experts: local`) is all compute
+    assert resolve_teacher_lockstep("auto", ExpertParallel(mesh, teacher_experts="local")) is True
     assert resolve_teacher_lockstep("auto", ExpertParallel(mesh, expert_per_node=8)) is False
     assert resolve_teacher_lockstep("auto", ExpertParallel(mesh, expert_per_node=4)) is True  # 2 nodes
     assert resolve_teacher_lockstep(True, None) is True
@@ -105,3 +107,5 @@ def test_lockstep_auto_is_on_where_the_exchange_spans_nodes():
     assert build_program(cfg, mesh).spec.teacher_lockstep
     cfg = load_config("tiny_farskip", {"mesh.expert": 8})
     assert not build_program(cfg, mesh).spec.teacher_lockstep
+    cfg = load_config("tiny_farskip", {"mesh.expert": 8, "mesh.teacher_experts": "local"})
+    assert build_program(cfg, mesh).spec.teacher_lockstep
