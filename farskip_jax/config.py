@@ -391,8 +391,9 @@ class MeshConfig:
     # local: all of them on every device, so the teacher exchanges nothing and holds no receive
     # buffer, and its whole layer is compute that XLA can place under the student's exchanges; it
     # costs (1 - 1/expert) of its routed bytes per device (+23.5 GiB of weights for DeepSeek-V2-Lite
-    # at EP8, +26.0 at EP32, less the receive buffers it no longer fills). Est. 4-7% faster FCSD
-    # steps on H200, no faster on MI300X (BENCHMARKS.md K23): set by hand, auto never picks it.
+    # at EP8, +26.0 at EP32, less the receive buffers it no longer fills), with the lockstep on
+    # (`train.teacher_lockstep: auto`). Est. 4-7% faster FCSD steps on H200, 1.4% on MI300X
+    # (BENCHMARKS.md K23). Set by hand: whether the copies fit depends on what `remat: auto` keeps.
     # auto (default): node where the exchange is node-aware and the copies add at most 4 GiB per
     # device (train/program.py:with_teacher_layout; DeepSeek-V3's would not), else expert.
     teacher_experts: Literal["auto", "local", "node", "expert"] = "auto"
