@@ -203,7 +203,6 @@ class ExpertParallel:
             back_rd, srt, routing.weights_nk, x_nd if shared is None else shared)
         return routed, {"dropped_fraction": dropped, "moe_overflow": overflow}, shared
 
-
     def _local_routed(self, x_nd: jax.Array, routing: Routing, experts: RoutedExperts, cfg: ModelConfig,
                       exe: ExecutionConfig, shared_fn: SharedFn | None
                       ) -> tuple[jax.Array, dict[str, jax.Array], jax.Array | None]:

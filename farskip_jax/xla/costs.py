@@ -501,7 +501,7 @@ class CostModel:
                     add(self.comp_dot_flops(c))
             elif ins.opcode == "conditional":
                 branches = [self.comp_dot_flops(c) for c in ins.called()]
-                add(max(branches, key=lambda d: sum(d.values()), default={}))
+                add(max(branches, key=lambda d: sum(d.get(k, 0.0) for k in DOT_KINDS), default={}))
             elif collective_kind(self.mod, ins) is None:
                 flops = dot_flops_by_kind(self.mod, comp, ins)
                 add(flops)
