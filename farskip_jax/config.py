@@ -367,6 +367,9 @@ class ModelConfig:
 # Parallelism, training, data, evaluation: the trainer's sections
 
 
+TeacherExperts = Literal["auto", "local", "node", "expert"]
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Device mesh. `data` x `expert` devices hold different tokens (training EP); `tensor` splits
@@ -383,20 +386,13 @@ class MeshConfig:
     # as parallel.make_mesh lays them out; flat inside one node). Est. 1.01-1.16x the flat step at
     # EP16-EP64 (BENCHMARKS K8), never slower.
     expert_per_node: int | Literal["auto"] = "auto"
-    # Where the frozen FCSD teacher's routed experts live. node: split over each node's expert ranks
-    # and copied on every node, so the teacher's Dispatch and Combine stay on the node's NVLink /
-    # xGMI and the NICs carry only the student's (the teacher has no gradients or optimizer state;
-    # each device holds a node's share of its experts instead of the expert axis' share: +2.5 GiB
-    # for DeepSeek-V2-Lite on 4 nodes of 8). expert: over the whole expert axis, as the student's.
-    # local: all of them on every device, so the teacher exchanges nothing and holds no receive
-    # buffer, and its whole layer is compute that XLA can place under the student's exchanges; it
-    # costs (1 - 1/expert) of its routed bytes per device (+23.5 GiB of weights for DeepSeek-V2-Lite
-    # at EP8, +26.0 at EP32, less the receive buffers it no longer fills), with the lockstep on
-    # (`train.teacher_lockstep: auto`). Est. 4-7% faster FCSD steps on H200, 1.4% on MI300X
-    # (BENCHMARKS.md K23). Set by hand: whether the copies fit depends on what `remat: auto` keeps.
-    # auto (default): node where the exchange is node-aware and the copies add at most 4 GiB per
-    # device (train/program.py:with_teacher_layout; DeepSeek-V3's would not), else expert.
-    teacher_experts: Literal["auto", "local", "node", "expert"] = "auto"
+    # Where the frozen FCSD teacher's routed experts live (it has no gradients or optimizer state,
+    # so copies cost only its weights; docs/gpus-and-multi-node.md). expert: over the expert axis, as
+    # the student's. node: copied on every node, split over its ranks, so its exchanges stay off the
+    # NICs (+2.5 GiB for DeepSeek-V2-Lite on 4 nodes of 8). local: all on every device, nothing
+    # exchanged (+23.5 GiB at EP8; est. 4-7% faster on H200, 1.4% on MI300X, BENCHMARKS.md K23; set
+    # by hand). auto: node where the exchange is node-aware and that adds <= 4 GiB, else expert.
+    teacher_experts: TeacherExperts = "auto"
 
     def validate(self) -> None:
         for name in ("data", "expert", "tensor"):

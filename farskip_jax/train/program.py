@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from farskip_jax.config import Config, ExecutionConfig, ModelConfig, TrainConfig
+from farskip_jax.config import Config, ExecutionConfig, ModelConfig, TeacherExperts, TrainConfig
 from farskip_jax.errors import UserError
 from farskip_jax.model.transformer import Transformer, with_farskip
 from farskip_jax.parallel import (
@@ -91,9 +91,6 @@ def parallel_for(mesh: Mesh, expert_per_node: int | Literal["auto"] = 0) -> Expe
 # 4 / 8 nodes of 8 GPUs; Qwen3-30B-A3B's 5.1 GiB on 4 nodes and DeepSeek-V3's 133 GiB on 8 stay over
 # the whole expert axis.
 TEACHER_COPY_LIMIT = 4 * 2**30
-
-
-TeacherExperts = Literal["auto", "local", "node", "expert"]
 
 
 def teacher_copy_share(setting: TeacherExperts, routed_bytes: float, expert: int, per_node: int) -> float:

@@ -222,6 +222,25 @@ def test_model_equals_one_device(model_reference, model_data, monkeypatch, case)
     assert err_logits <= TOL and err_grads <= TOL
 
 
+def _teacher_logits(state, ids, teacher: ExpertParallel, exchange: str):
+    """The regular model's logits on `teacher`'s layout (its routed experts tiled `teacher.nodes`
+    times and placed over the mesh): (logits, overflow flag, the compiled program, the placed
+    w_gate stack)."""
+    graphdef, _ = split(_model_cfg(False), exe=_model_exe(exchange))
+    mesh = teacher.mesh
+    placed = place(tile_per_node(state, teacher.nodes), mesh, "ep")
+    w_gate = next(v for p, v in jax.tree_util.tree_leaves_with_path(placed) if "w_gate" in str(p))
+
+    def logits(s, ids):
+        out = nnx.merge(graphdef, s)(ids, parallel=teacher)
+        return out.logits, out.aux["moe_overflow"]
+
+    args = (placed, jax.device_put(ids, batch_sharding(mesh)))
+    compiled = jax.jit(logits).lower(*args).compile(FAST)
+    out, overflow = compiled(*args)
+    return out, int(overflow), compiled, w_gate
+
+
 # `slow` for EP8 as 2 x 4 (CI time budget): the data x expert mesh cut into nodes is the harder case
 @pytest.mark.parametrize("mesh_name", [pytest.param("ep8_2x4", marks=pytest.mark.slow), "dp2xep4_2x2"])
 def test_teacher_in_node_equals_one_device(model_reference, model_data, mesh_name):
@@ -232,7 +251,6 @@ def test_teacher_in_node_equals_one_device(model_reference, model_data, mesh_nam
     farskip, state, ref_logits, _ = model_reference
     if farskip:
         pytest.skip("the teacher has regular connectivity")
-    graphdef, _ = split(_model_cfg(False), exe=_model_exe("padded"))
     mesh_cfg, per_node = MESHES[mesh_name]
     mesh = make_mesh(mesh_cfg)
     par = ExpertParallel(mesh, expert_per_node=per_node, teacher_experts="node")
@@ -240,19 +258,9 @@ def test_teacher_in_node_equals_one_device(model_reference, model_data, mesh_nam
     assert par.nodes == teacher.nodes == 2 and teacher.experts_in_node and teacher.for_teacher() is teacher
     assert teacher.exchange_ranks == per_node and par.exchange_ranks == mesh_cfg.expert
     assert par.worst_case().for_teacher().bounded is False
-    ids, _ = model_data
-    placed = place(tile_per_node(state, teacher.nodes), mesh, "ep")
-    w_gate = next(v for p, v in jax.tree_util.tree_leaves_with_path(placed) if "w_gate" in str(p))
+    out, overflow, compiled, w_gate = _teacher_logits(state, model_data[0], teacher, "padded")
     assert w_gate.shape[0] == 2 * E and w_gate.addressable_shards[0].data.shape[0] == E // per_node
-
-    def logits(s, ids):
-        out = nnx.merge(graphdef, s)(ids, parallel=teacher)
-        return out.logits, out.aux["moe_overflow"]
-
-    args = (placed, jax.device_put(ids, batch_sharding(mesh)))
-    compiled = jax.jit(logits).lower(*args).compile(FAST)
-    out, overflow = compiled(*args)
-    assert int(overflow) == 0
+    assert overflow == 0
     err = max_abs_err(out, ref_logits)
     record("node_aware_model", f"teacher_in_node/{mesh_name}", "logits", err)
     assert err <= TOL
@@ -270,24 +278,13 @@ def test_teacher_local_equals_one_device(model_reference, model_data, mesh_name)
     farskip, state, ref_logits, _ = model_reference
     if farskip:
         pytest.skip("the teacher has regular connectivity")
-    graphdef, _ = split(_model_cfg(False), exe=_model_exe("ragged"))
     mesh_cfg, per_node = (MeshConfig(expert=8), 0) if mesh_name == "ep8" else MESHES[mesh_name]
-    mesh = make_mesh(mesh_cfg)
-    teacher = ExpertParallel(mesh, expert_per_node=per_node, teacher_experts="local").for_teacher()
+    par = ExpertParallel(make_mesh(mesh_cfg), expert_per_node=per_node, teacher_experts="local")
+    teacher = par.for_teacher()
     assert teacher.exchange_ranks == 1 and teacher.nodes == mesh_cfg.expert
-    ids, _ = model_data
-    placed = place(tile_per_node(state, teacher.nodes), mesh, "ep")
-    w_gate = next(v for p, v in jax.tree_util.tree_leaves_with_path(placed) if "w_gate" in str(p))
+    out, overflow, compiled, w_gate = _teacher_logits(state, model_data[0], teacher, "ragged")
     assert w_gate.shape[0] == mesh_cfg.expert * E and w_gate.addressable_shards[0].data.shape[0] == E
-
-    def logits(s, ids):
-        out = nnx.merge(graphdef, s)(ids, parallel=teacher)
-        return out.logits, out.aux["moe_overflow"]
-
-    args = (placed, jax.device_put(ids, batch_sharding(mesh)))
-    compiled = jax.jit(logits).lower(*args).compile(FAST)
-    out, overflow = compiled(*args)
-    assert int(overflow) == 0
+    assert overflow == 0
     err = max_abs_err(out, ref_logits)
     record("node_aware_model", f"teacher_local/{mesh_name}", "logits", err)
     assert err <= TOL
