@@ -161,6 +161,11 @@ def describe(cfg: ModelConfig, mesh: dict[str, int], train: Config | None = None
                 teacher += " with all of its routed experts on every device"
             elif copies:
                 teacher += f" with its routed experts in each node of {train_nodes(train, mesh)} ranks"
+            if (train.mesh.teacher_experts == "auto" and mesh["expert"] > 1
+                    and train.train.teacher_cache is None):
+                # on a GPU the trainer's memory search (train/remat.py) runs this where the step fits
+                out["teacher_local_bytes_per_device"] = state + routed * t_bytes * (
+                    teacher_copy_share("local", 0, mesh["expert"], 0) - copies)
         out["training_state_bytes_per_device"] = state
         out["training_state_parts"] = "weights, AdamW moments" + teacher
     return out
@@ -186,6 +191,9 @@ def _print(d: dict[str, Any], source: str) -> None:
     if "training_state_bytes_per_device" in d:
         print(f"  training state per device ({d['training_state_parts']}; activations not included): "
               f"{_gib(d['training_state_bytes_per_device'])}")
+    if "teacher_local_bytes_per_device" in d:
+        print(f"    with the teacher's routed experts on every device, which mesh.teacher_experts=auto runs "
+              f"where the compiled step fits the memory budget: {_gib(d['teacher_local_bytes_per_device'])}")
 
 
 @cli_main

@@ -151,15 +151,65 @@ def _compile_mode(built: Any, mode: str, args: argparse.Namespace, out: Path) ->
     hbm = targets.device_memory_size(args.target) if args.target in targets.SPEC_FILES else None
     schedule = ((lambda compiled: remat.schedule_of(compiled[0].hlo_text, args.target, grouped_fill(args)))
                 if args.target in targets.SPEC_FILES else None)
-    choice = remat.choose(built.policies, compile_peak, remat.budget_bytes(built.exe, hbm),
-                          agree=lambda fits: fits, schedule=schedule)
+    budget = remat.budget_bytes(built.exe, hbm)
+    choice = remat.choose(built.candidates(budget), compile_peak, budget, agree=lambda fits: fits,
+                          schedule=schedule)
     if choice.compiled is None:  # no budget known: the first policy, as the trainer runs it
         return compile_one(*built.build(choice.policy), f" (execution.remat={choice.policy})")
     art, extra = choice.compiled
     extra["remat_auto"] = {"policy": choice.policy, "budget_bytes": choice.budget, "peaks": choice.peaks,
                            "est_step_us": choice.estimates}
-    print(f"[{mode}] execution.remat=auto: {choice.describe()}")
+    searched = "execution.remat=auto" if built.exe.remat == "auto" else "mesh.teacher_experts=auto"
+    print(f"[{mode}] {searched}: {choice.describe()}")
     return art, extra
+
+
+def _exchange_meta(args: argparse.Namespace, mesh: Any, teacher_setting: str | None = None) -> dict[str, Any]:
+    """The expert exchange, the FCSD teacher's layout and its lockstep as the trainer resolves them
+    for `args` (printed); `teacher_setting` in place of the config's `mesh.teacher_experts` (the
+    layout `execution.remat: auto`'s search chose)."""
+    meta: dict[str, Any] = {}
+    if getattr(args, "expert_per_node", None) is None or args.mesh.get("expert", 1) == 1:
+        return meta
+    from farskip_jax.parallel import ExpertParallel
+    from farskip_jax.train.program import resolve_expert_per_node
+
+    per_node = resolve_expert_per_node(mesh, args.expert_per_node)
+    meta["expert_per_node"] = per_node
+    if args.expert_per_node == "auto" and teacher_setting is None:
+        what = (f"node-aware exchange, {args.mesh['expert'] // per_node} nodes of {per_node} expert ranks"
+                if per_node else "flat exchange")
+        print(f"inspect: mesh.expert_per_node=auto: {per_node} on {args.target} ({what})")
+    # the FCSD teacher's layout and lockstep (None outside fcsd) as the trainer resolves them
+    lockstep = getattr(args, "teacher_lockstep", None)
+    teacher_experts = getattr(args, "teacher_experts", None)
+    par = ExpertParallel(mesh, expert_per_node=per_node) if lockstep is not None or teacher_experts else None
+    if teacher_experts is not None:
+        setting, t_abs = teacher_experts
+        setting = teacher_setting or setting
+    if teacher_experts is not None and (per_node or setting == "local"):
+        from farskip_jax.train.program import teacher_copy_bytes, with_teacher_layout
+
+        par = with_teacher_layout(par, setting, t_abs)  # the lockstep's rule below reads it
+        layout = par.teacher_experts
+        meta["teacher_experts"] = layout
+        if layout == "expert":
+            where = "over the whole expert axis"
+        else:
+            gib = teacher_copy_bytes(t_abs, par, layout) / 2**30
+            where = (f"all on every device (+{gib:.2f} GiB per device), no exchange" if layout == "local"
+                     else f"inside each node of {per_node} (+{gib:.2f} GiB per device), its "
+                          "exchanges off the NICs")
+        chosen = " (chosen by the memory search of train/remat.py: the step fits)" if teacher_setting else ""
+        print(f"inspect: mesh.teacher_experts={setting}{chosen}: the FCSD teacher's routed experts {where}")
+    if lockstep is not None:
+        from farskip_jax.train.program import resolve_teacher_lockstep
+
+        on = resolve_teacher_lockstep(lockstep, par)
+        meta["teacher_lockstep"] = on
+        print(f"inspect: train.teacher_lockstep={str(lockstep).lower()}: "
+              + ("the teacher's forward layer by layer beside the student's" if on else "off"))
+    return meta
 
 
 def run_inspect(args: argparse.Namespace, build_step: BuildStep,
@@ -180,49 +230,15 @@ def run_inspect(args: argparse.Namespace, build_step: BuildStep,
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     mesh = aot.make_target_mesh(args.target, args.mesh)
-    exchange_meta = {}
-    if getattr(args, "expert_per_node", None) is not None and args.mesh.get("expert", 1) > 1:
-        from farskip_jax.train.program import resolve_expert_per_node
-
-        per_node = resolve_expert_per_node(mesh, args.expert_per_node)
-        exchange_meta["expert_per_node"] = per_node
-        if args.expert_per_node == "auto":
-            what = (f"node-aware exchange, {args.mesh['expert'] // per_node} nodes of {per_node} expert ranks"
-                    if per_node else "flat exchange")
-            print(f"inspect: mesh.expert_per_node=auto: {per_node} on {args.target} ({what})")
-        from farskip_jax.parallel import ExpertParallel
-
-        # the FCSD teacher's layout and lockstep (None outside fcsd) as the trainer resolves them
-        lockstep = getattr(args, "teacher_lockstep", None)
-        fcsd = lockstep is not None or getattr(args, "teacher_experts", None) is not None
-        par = ExpertParallel(mesh, expert_per_node=per_node) if fcsd else None
-        teacher_experts = getattr(args, "teacher_experts", None)
-        if teacher_experts is not None and (per_node or teacher_experts[0] == "local"):
-            from farskip_jax.train.program import teacher_copy_bytes, with_teacher_layout
-
-            setting, t_abs = teacher_experts
-            par = with_teacher_layout(par, setting, t_abs)  # the lockstep's rule below reads it
-            layout = par.teacher_experts
-            exchange_meta["teacher_experts"] = layout
-            if layout == "expert":
-                where = "over the whole expert axis"
-            else:
-                gib = teacher_copy_bytes(t_abs, par, layout) / 2**30
-                where = (f"all on every device (+{gib:.2f} GiB per device), no exchange" if layout == "local"
-                         else f"inside each node of {per_node} (+{gib:.2f} GiB per device), its "
-                              "exchanges off the NICs")
-            print(f"inspect: mesh.teacher_experts={setting}: the FCSD teacher's routed experts {where}")
-        if lockstep is not None:
-            from farskip_jax.train.program import resolve_teacher_lockstep
-
-            on = resolve_teacher_lockstep(lockstep, par)
-            exchange_meta["teacher_lockstep"] = on
-            print(f"inspect: train.teacher_lockstep={str(lockstep).lower()}: "
-                  + ("the teacher's forward layer by layer beside the student's" if on else "off"))
+    exchange_meta = _exchange_meta(args, mesh)
     reports: dict[str, Any] = {}
     analyses: dict[str, Any] = {}
     for mode in modes:
         art, extra = _compile_mode(build_step(mesh, mode), mode, args, out)
+        from farskip_jax.train.remat import has_local_teacher
+
+        if has_local_teacher(extra.get("remat_auto", {}).get("policy", "")):  # auto chose it to fit
+            extra.update(_exchange_meta(args, mesh, teacher_setting="local"))
         analysis = hlo.analyze(art.hlo_text, args.target, art.lhs_schedule_text, grouped_fill(args),
                                declared_rows(args))
         analyses[mode] = analysis

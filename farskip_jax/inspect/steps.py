@@ -89,14 +89,16 @@ def build_fcsd_step(cfg: Config, seqs_per_device: int, seq_len: int
     the step traces the teacher inside ``jax.named_scope("teacher")``.
     """
     from farskip_jax.train import remat
-    from farskip_jax.train.program import abstract_train_step
+    from farskip_jax.train.program import abstract_train_step, searches_teacher_layout
 
     def build(mesh: Mesh, mode: str):
         run = config_for(cfg, mode)
-        if run.execution.remat == "auto":  # compiled per policy until one fits (cli.run_inspect)
-            return remat.Search(remat.candidates("auto", mesh.shape.get("expert", 1) > 1),
-                                lambda p: abstract_train_step(remat.with_remat(run, p), mesh, seqs_per_device,
-                                                              seq_len), run.execution)
+        ep = mesh.shape.get("expert", 1) > 1
+        search_teacher = searches_teacher_layout(run, ep)
+        if run.execution.remat == "auto" or search_teacher:  # compiled until one fits (cli.run_inspect)
+            return remat.Search(remat.candidates(run.execution.remat, ep),
+                                lambda c: abstract_train_step(remat.with_remat(run, c), mesh, seqs_per_device,
+                                                              seq_len), run.execution, search_teacher)
         return abstract_train_step(run, mesh, seqs_per_device, seq_len)
 
     return build

@@ -154,6 +154,16 @@ def with_teacher_layout(parallel: ExpertParallel | None, setting: TeacherExperts
     return dataclasses.replace(parallel, teacher_experts="node")
 
 
+def searches_teacher_layout(cfg: Config, expert_parallel: bool) -> bool:
+    """Whether `execution.remat`'s search (train/remat.py) also decides the FCSD teacher's layout:
+    with `mesh.teacher_experts: auto` on an expert-parallel step that runs the teacher model, each
+    policy is compiled first with all of the teacher's routed experts on every device (`local`:
+    est. 1.4-7% faster, BENCHMARKS.md K23), and runs so where that program fits the budget."""
+    tc = cfg.train
+    return (expert_parallel and tc.mode == "fcsd" and not uses_teacher_cache(tc)
+            and cfg.mesh.teacher_experts == "auto")
+
+
 def resolve_teacher_lockstep(setting: bool | Literal["auto"], parallel: ExpertParallel | None) -> bool:
     """`train.teacher_lockstep` as the FCSD step runs it: auto is on where the student's expert
     exchange spans nodes, or where the teacher's routed experts are on every device

@@ -24,6 +24,13 @@ step, so it is chosen the same way among the policies that recompute at least as
 bounded step's: a named policy is kept for the bounded step as asked, and the re-run, compiled when
 a step first overflows, recomputes more only where that policy would not fit.
 
+With `mesh.teacher_experts: auto` on an FCSD step (`program.searches_teacher_layout`) the same search
+places the frozen teacher's routed experts: each policy is tried first with all of them on every
+device (`local`: no exchange for the teacher, est. 1.4-7% faster, BENCHMARKS.md K23, K24), then as
+auto's in-node rule places them; a candidate's label says which (`none+local_teacher`, `none`). A
+candidate whose arguments alone exceed the budget is not compiled. Where no budget is known the
+teacher stays where the rule puts it.
+
 A run remembers its choices in `<train.output_dir>/remat_auto.json`, keyed by everything the
 compiled peaks depend on (`memo_key`): a restart of the same run starts its search at the policy
 chosen before, so the policies rejected then are not compiled again. The remembered policy is still
@@ -36,6 +43,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -59,6 +67,7 @@ GIB = 2**30
 # 28-31%; the other full-size steps with a complete report 0-0.6%.
 MAX_SYNC_SHARE = 0.25
 MEMO_NAME = "remat_auto.json"
+LOCAL_TEACHER = "+local_teacher"  # a candidate label's suffix (`label`)
 # train.* keys that set the schedule and the run's bookkeeping, not what the step holds in memory;
 # every other config value is part of `memo_key` (a key that changes costs a search, never a fit)
 _NOT_IN_MEMO_KEY = frozenset({
@@ -68,23 +77,60 @@ _NOT_IN_MEMO_KEY = frozenset({
     "output_dir", "init_checkpoint"})
 
 
-def with_remat(cfg: Config, policy: str) -> Config:
-    """`cfg` whose step recomputes as `policy` says (nothing else changes)."""
-    return dataclasses.replace(cfg, execution=dataclasses.replace(cfg.execution, remat=policy))
+def label(policy: str, local_teacher: bool) -> str:
+    """A candidate's name: the policy, and whether the teacher's routed experts are on every device."""
+    return policy + LOCAL_TEACHER if local_teacher else policy
 
 
-def candidates(configured: str, expert_parallel: bool, at_least: str | None = None) -> tuple[str, ...]:
+def policy_of(candidate: str) -> str:
+    return candidate.removesuffix(LOCAL_TEACHER)
+
+
+def has_local_teacher(candidate: str) -> bool:
+    return candidate.endswith(LOCAL_TEACHER)
+
+
+def with_remat(cfg: Config, candidate: str) -> Config:
+    """`cfg` whose step recomputes as `candidate`'s policy says, with the teacher's routed experts on
+    every device where the candidate says so (nothing else changes)."""
+    cfg = dataclasses.replace(cfg, execution=dataclasses.replace(cfg.execution, remat=policy_of(candidate)))
+    if has_local_teacher(candidate):
+        cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, teacher_experts="local"))
+    return cfg
+
+
+def candidates(configured: str, expert_parallel: bool, at_least: str | None = None,
+               local_teacher: bool = False) -> tuple[str, ...]:
     """The policies to try in order: every one for auto, else the configured one alone; `at_least`
     (the worst-case re-run): only those recomputing at least as much as that one. Without expert
     parallelism save_a2a keeps what full keeps and save_a2a_dots what save_dots keeps (there is no
-    all-to-all), so they are not tried."""
+    all-to-all), so they are not tried. `local_teacher`: each policy first with the teacher's routed
+    experts on every device, then without."""
     if configured != "auto" and at_least is None:
-        return (configured,)
-    order = tuple(p for p in REMAT_BY_MEMORY if expert_parallel or p not in _SAME_WITHOUT_EP)
-    if at_least is None:
-        return order
-    at_least = at_least if at_least in order else _SAME_WITHOUT_EP[at_least]
-    return order[order.index(at_least):]
+        order: tuple[str, ...] = (configured,)
+    else:
+        order = tuple(p for p in REMAT_BY_MEMORY if expert_parallel or p not in _SAME_WITHOUT_EP)
+    if at_least is not None:
+        at_least = at_least if at_least in order else _SAME_WITHOUT_EP[at_least]
+        order = order[order.index(at_least):]
+    return with_local_teacher(order) if local_teacher else order
+
+
+def with_local_teacher(policies: tuple[str, ...]) -> tuple[str, ...]:
+    """Each of `policies` with the teacher's routed experts on every device, then without."""
+    return tuple(c for p in policies for c in (label(p, True), p))
+
+
+def within_budget(cands: tuple[str, ...], arguments: Callable[[str], Any], budget: int) -> tuple[str, ...]:
+    """`cands` without the local-teacher ones whose arguments (`arguments(candidate)`, sharded)
+    alone exceed `budget`: their peak would too, so they are not compiled (DeepSeek-V3's routed
+    experts on every GPU take ~1.3 TB)."""
+    over = {c for c in cands if has_local_teacher(c) and bytes_per_device(arguments(c)) > budget}
+    if over:
+        log.info("mesh.teacher_experts=auto: with the teacher's routed experts on every device the step's "
+                 "arguments alone exceed the budget %s; not compiled (%s)", _gib(budget),
+                 ", ".join(sorted(over)))
+    return tuple(c for c in cands if c not in over)
 
 
 def budget_bytes(exe: Any, hbm_bytes: int | None, allocator_limit: int | None = None) -> int | None:
@@ -232,9 +278,10 @@ def choose(policies: tuple[str, ...], compile_peak: Callable[[str], tuple[Any, i
     return choice
 
 
-def memo_key(cfg: Config, args: tuple, budget: int) -> str:
+def memo_key(cfg: Config, args: tuple, budget: int, policies: tuple[str, ...] = ()) -> str:
     """What a compiled peak depends on: the config (but `_NOT_IN_MEMO_KEY`), the step's argument
-    shapes, dtypes and shardings, the devices, jax's version and the budget; a hex digest."""
+    shapes, dtypes and shardings, the devices, jax's version and the budget; with the candidates
+    searched (a record is a place in their order); a hex digest."""
     from farskip_jax.config import to_dict
 
     conf = to_dict(cfg)
@@ -242,7 +289,8 @@ def memo_key(cfg: Config, args: tuple, budget: int) -> str:
     conf.pop("demo", None)
     arrays = [(tuple(a.shape), str(a.dtype), str(getattr(a, "sharding", ""))) for a in jax.tree.leaves(args)]
     devices = (jax.device_count(), jax.process_count(), jax.devices()[0].device_kind)
-    blob = json.dumps([conf, arrays, devices, jax.__version__, budget], sort_keys=True, default=str)
+    blob = json.dumps([conf, arrays, devices, jax.__version__, budget, list(policies)], sort_keys=True,
+                      default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
@@ -285,17 +333,42 @@ def settle(cfg: Config, program: Any, args: tuple, worst_case: bool = False,
            memo: Path | None = None) -> tuple[Any, Choice]:
     """The trainer's step for `cfg` on `program`'s mesh with execution.remat settled, compiled for
     `args` where a choice was made: (program, compiled step or None, i.e. the jitted one as usual)
-    and the `Choice`. `worst_case`: the overflow re-run's, among the policies recomputing at least
-    as much as `program`'s (the bounded step's). `memo`: the run's remat_auto.json, read to skip
-    the policies this run rejected before and written with the choice."""
-    from farskip_jax.train.program import build_program  # program.py imports this module
+    and the `Choice`. The program may place the teacher otherwise than `program` (a `local_teacher`
+    candidate): then its teacher argument has another shape, and the caller lays the teacher out
+    anew (`TrainProgram.teacher_shardings`, `teacher_copies`). `worst_case`: the overflow re-run's,
+    among the policies recomputing at least as much as `program`'s (the bounded step's), with its
+    teacher layout. `memo`: the run's remat_auto.json, read to skip the candidates this run
+    rejected before and written with the choice."""
+    from farskip_jax.train.program import build_program, searches_teacher_layout, teacher_copies
 
-    exe, current = cfg.execution, program.student_exe.remat
-    policies = candidates(exe.remat, program.parallel is not None, at_least=current if worst_case else None)
-    budget = device_budget(exe) if len(policies) > 1 else None
+    exe, ep = cfg.execution, program.parallel is not None
+    auto_local = ep and program.parallel.teacher_experts == "local" and cfg.mesh.teacher_experts == "auto"
+    current = label(program.student_exe.remat, auto_local)
+    search_teacher = not worst_case and searches_teacher_layout(cfg, ep)
+    policies = candidates(exe.remat, ep, at_least=program.student_exe.remat if worst_case else None)
+    budget = device_budget(exe) if len(policies) > 1 or search_teacher else None
+    if worst_case:
+        policies = tuple(label(p, auto_local) for p in policies)
+    elif search_teacher and budget is not None:
+        policies = candidates(exe.remat, ep, local_teacher=True)
+    programs: dict[str, Any] = {current: program}
+
+    def program_for(candidate: str) -> Any:
+        if candidate not in programs:
+            programs[candidate] = build_program(with_remat(cfg, candidate), program.mesh)
+        return programs[candidate]
+
+    def args_for(candidate: str) -> tuple:
+        prog = program_for(candidate)
+        if teacher_copies(prog.parallel) == teacher_copies(program.parallel):
+            return args
+        return (args[0], prog.abstract_teacher(), *args[2:])  # another teacher layout: its shapes
+
+    if budget is not None and search_teacher:
+        policies = within_budget(policies, args_for, budget)
     slot, key, rejected = "worst_case" if worst_case else "bounded", None, {}
     if memo is not None and budget is not None:
-        key = memo_key(cfg, args, budget)
+        key = memo_key(cfg, args, budget, policies)
         record = remembered(memo, slot, key)
         start = _resume_from(policies, record)
         if start:
@@ -304,20 +377,27 @@ def settle(cfg: Config, program: Any, args: tuple, worst_case: bool = False,
                      policies[start], memo, ", ".join(f"{p} {_gib(b)}" for p, b in rejected.items()))
             policies = policies[start:]
 
-    def compile_peak(policy: str) -> tuple[Any, int | None]:
-        prog = program if policy == current else build_program(with_remat(cfg, policy), program.mesh)
+    def compile_peak(candidate: str) -> tuple[Any, int | None]:
+        prog = program_for(candidate)
         step = prog.worst_case_train_step if worst_case else prog.train_step
         t0 = time.perf_counter()
-        compiled = step.lower(*args).compile()
+        compiled = step.lower(*args_for(candidate)).compile()
         peak = compiled_peak(compiled)
-        log.info("execution.remat: %s%s compiled in %.0f s, peak %s per device", policy,
+        log.info("execution.remat: %s%s compiled in %.0f s, peak %s per device", candidate,
                  " (worst-case buffers)" if worst_case else "", time.perf_counter() - t0, _gib(peak))
         return (prog, compiled), peak
 
     choice = choose(policies, compile_peak, budget, schedule=_device_schedule(cfg, program, args))
     if key is not None:
         remember(memo, slot, key, choice, rejected)
-    return choice.compiled or (program, None), choice
+    # uncompiled (no budget, one candidate left): the jitted step of the candidate's own program
+    return choice.compiled or (program_for(choice.policy), None), choice
+
+
+def bytes_per_device(tree: Any) -> int:
+    """Bytes the first device holds of `tree`'s arrays or sharded ShapeDtypeStructs (a program's
+    arguments: a lower bound of its peak)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def _device_schedule(cfg: Config, program: Any, args: tuple) -> Callable[[Any], Schedule] | None:
@@ -337,9 +417,18 @@ def _device_schedule(cfg: Config, program: Any, args: tuple) -> Callable[[Any], 
 @dataclasses.dataclass
 class Search:
     """A train step to compile under each of `policies` in turn until one fits: what the
-    inspector's build callback returns for remat=auto (`inspect.steps.build_fcsd_step`), so that
-    its report is of the program train.py would run on the target."""
+    inspector's build callback returns for remat=auto or a searched teacher layout
+    (`inspect.steps.build_fcsd_step`), so that its report is of the program train.py would run on
+    the target."""
 
     policies: tuple[str, ...]
-    build: Callable[[str], tuple[Any, Any]]  # policy -> (jitted step, abstract arguments)
+    build: Callable[[str], tuple[Any, Any]]  # candidate -> (jitted step, abstract arguments)
     exe: Any  # the ExecutionConfig, for its budget
+    search_teacher: bool = False  # `program.searches_teacher_layout`
+
+    def candidates(self, budget: int | None) -> tuple[str, ...]:
+        """What to compile in order for `budget`, as `settle` does: with a known budget and a searched
+        teacher layout each policy with the local teacher first (`within_budget`)."""
+        if budget is None or not self.search_teacher:
+            return self.policies
+        return within_budget(with_local_teacher(self.policies), lambda c: self.build(c)[1], budget)

@@ -17,12 +17,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from farskip_jax.config import Config
 from farskip_jax.errors import UserError
 from farskip_jax.model.layers import DTYPES
 from farskip_jax.model.transformer import build_model
-from farskip_jax.parallel import tile_per_node
+from farskip_jax.parallel import param_specs_tree, tile_per_node
 from farskip_jax.parallel.mesh import make_mesh
 from farskip_jax.train.program import TrainProgram, teacher_copies
 
@@ -84,6 +85,20 @@ def cast_params(params: nnx.State, dtype: Any, shardings: Any, copies: int = 1) 
     times (`parallel.tile_per_node`: the teacher's experts inside each node)."""
     cast = lambda x: jnp.array(x.astype(dtype), copy=True)
     return jax.jit(lambda p: tile_per_node(jax.tree.map(cast, p), copies), out_shardings=shardings)(params)
+
+
+def retile_teacher(params: nnx.State, copies: int, new_copies: int, shardings: Any) -> nnx.State:
+    """The teacher's `params`, whose routed experts hold `copies` copies (`tile_per_node`), with
+    `new_copies` instead, into `shardings`."""
+
+    def first(x: jax.Array, spec: P) -> jax.Array:
+        return x[: x.shape[0] // copies] if "expert" in spec else x
+
+    def retile(p: nnx.State) -> nnx.State:
+        one = jax.tree.map(first, p, param_specs_tree(p, "ep"), is_leaf=lambda s: isinstance(s, P))
+        return tile_per_node(one, new_copies)
+
+    return jax.jit(retile, out_shardings=shardings)(params)
 
 
 def build_models(cfg: Config, program: TrainProgram, need_teacher: bool | None = None) -> Models:

@@ -30,7 +30,7 @@ from farskip_jax.errors import UserError
 from farskip_jax.train import batches, remat, scheduled_step, setup
 from farskip_jax.train.early_stop import EarlyStopper
 from farskip_jax.train.metrics_log import MetricsLog
-from farskip_jax.train.program import TrainProgram, build_program
+from farskip_jax.train.program import TrainProgram, build_program, teacher_copies
 from farskip_jax.train.teacher_cache import TeacherCache
 from farskip_jax.train.zero1 import batch_devices
 
@@ -324,13 +324,29 @@ class Trainer:
     def _choose_remat(self, args: tuple) -> None:
         """Settles execution.remat before the first step (`remat.settle`): under auto the program
         becomes the one that fits, compiled once there."""
-        (self.program, compiled), self.remat_choice = remat.settle(self.cfg, self.program, args,
-                                                                   memo=self.out / remat.MEMO_NAME)
+        (program, compiled), self.remat_choice = remat.settle(self.cfg, self.program, args,
+                                                              memo=self.out / remat.MEMO_NAME)
+        if teacher_copies(program.parallel) != teacher_copies(self.program.parallel):
+            self._lay_out_teacher(program)
+        self.program = program
         if compiled is not None:
             # the synthetic PGLE compile wants the jitted step (it compiles it twice itself)
             self.train_step = compiled if self.pgle_target is None else self.program.train_step
         if self.cfg.execution.remat == "auto":
             log.info("execution.remat=auto: %s", self.remat_choice.describe())
+
+    def _lay_out_teacher(self, program: TrainProgram) -> None:
+        """`execution.remat: auto`'s search placed the FCSD teacher's routed experts otherwise than
+        the program built first (all of them on every device, `mesh.teacher_experts: auto`): the
+        teacher's parameters move into that layout, and what was built for the first one follows."""
+        teacher = setup.retile_teacher(self.models.teacher_params, teacher_copies(self.program.parallel),
+                                       teacher_copies(program.parallel), program.teacher_shardings)
+        self.models = dataclasses.replace(self.models, teacher_params=teacher)  # the old layout's freed
+        self.parallel, self.spec = program.parallel, program.spec
+        self.eval_step = program.eval_step()
+        log.info("mesh.teacher_experts=auto: the FCSD teacher's routed experts are on every device (the "
+                 "step fits: %s); train.teacher_lockstep=%s", self.remat_choice.describe(),
+                 self.spec.teacher_lockstep)
 
     def _worst_case_step(self, args: tuple) -> Any:
         """The worst-case re-run of an overflowed step (compiled at the first overflow): the bounded
@@ -339,9 +355,10 @@ class Trainer:
             (prog, compiled), choice = remat.settle(self.cfg, self.program, args, worst_case=True,
                                                     memo=self.out / remat.MEMO_NAME)
             self._worst_step = compiled if compiled is not None else prog.worst_case_train_step
-            if choice.policy != self.program.student_exe.remat:
+            if remat.policy_of(choice.policy) != self.program.student_exe.remat:
                 log.warning("the worst-case re-run recomputes as execution.remat=%s: %s does not fit "
-                            "with worst-case buffers (%s)", choice.policy, self.program.student_exe.remat,
+                            "with worst-case buffers (%s)", remat.policy_of(choice.policy),
+                            self.program.student_exe.remat,
                             choice.describe())
         return self._worst_step
 

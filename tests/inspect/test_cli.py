@@ -65,14 +65,20 @@ def test_clean_environment_h200_fcsd(tmp_path: Path) -> None:
     assert t["by_direction"]["fwd"]["count"] > 0 and t["by_direction"]["bwd"]["count"] > 0
     assert "compile" in res.stdout and "peak" in res.stdout
 
-    # The teacher is in the program: Dispatch/Combine row exchanges (not the small count exchanges)
-    # forward 3 MoE layers x 2 exchanges x (student, teacher), backward the student's only.
+    # The tiny step fits an H200 with the teacher's routed experts on every device, so
+    # `mesh.teacher_experts: auto` runs it so (train/remat.py), and the report says which program
+    # it is: the Dispatch/Combine row exchanges (not the small count exchanges) are the student's
+    # alone, forward and backward, 3 MoE layers x 2; the teacher runs layer by layer beside it.
+    meta = rep["meta"]
+    assert meta["remat_auto"]["policy"].endswith("+local_teacher"), meta["remat_auto"]
+    assert (meta["teacher_experts"], meta["teacher_lockstep"]) == ("local", True)
     rows = [c for c in rep["collectives"] if c["kind"] in ("all-to-all", "ragged-all-to-all")
             and c["role"] in ("dispatch", "combine") and c["bytes"] >= 32 * 32 * 4]
     fwd = [c for c in rows if c["direction"] == "fwd"]
     bwd = [c for c in rows if c["direction"] == "bwd"]
-    assert len(fwd) == 3 * 2 * 2 and len(bwd) == 3 * 2, (len(fwd), len(bwd))
-    assert sorted(c["layer"] for c in fwd) == [1] * 4 + [2] * 4 + [3] * 4
+    assert len(fwd) == 3 * 2 and len(bwd) == 3 * 2, (len(fwd), len(bwd))
+    assert sorted(c["layer"] for c in fwd) == [1] * 2 + [2] * 2 + [3] * 2
+    assert "mesh.teacher_experts=local (chosen by the memory search" in res.stdout
 
 
 def test_user_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,6 +3,7 @@ HF model itself (torch), active parameters and bytes per device from its named p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -86,13 +87,20 @@ def test_training_state_is_what_the_trainer_holds_per_device(per_node: int, teac
     described = json.loads(res.stdout)
     cfg = load_config("tiny", {"mesh.expert": 8, "mesh.expert_per_node": per_node,
                                "mesh.teacher_experts": teacher})
-    prog = build_program(cfg, make_mesh(cfg.mesh, jax.devices()[:8]))
-    state = prog.abstract_state()
-    trees = (state["params"], state["opt_state"], prog.abstract_teacher())
-    held = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-               for x in jax.tree.leaves(trees) if x.ndim > 0)
+
+    def held(cfg) -> int:
+        prog = build_program(cfg, make_mesh(cfg.mesh, jax.devices()[:8]))
+        state = prog.abstract_state()
+        trees = (state["params"], state["opt_state"], prog.abstract_teacher())
+        return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                   for x in jax.tree.leaves(trees) if x.ndim > 0)
+
     assert cfg.train.zero1 and cfg.train.mode == "fcsd"
-    assert described["training_state_bytes_per_device"] == pytest.approx(held, rel=1e-9)
+    assert described["training_state_bytes_per_device"] == pytest.approx(held(cfg), rel=1e-9)
+    # auto: what the memory search's local-teacher candidate would hold (train/remat.py)
+    local = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, teacher_experts="local"))
+    assert described.get("teacher_local_bytes_per_device") == (
+        pytest.approx(held(local), rel=1e-9) if teacher == "auto" else None)
     assert ("in each node of 4 ranks" in described["training_state_parts"]) == (per_node == 4)
     assert ("all of its routed experts on every device" in described["training_state_parts"]) == (
         teacher == "local")
