@@ -189,6 +189,31 @@ def test_memo_key_and_record(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         assert remat.remembered(memo, "bounded", key) is None
     assert "searching from the start" in caplog.text
+    # the candidates searched are part of the key: a record is a place in their order
+    policies = remat.candidates("auto", True)
+    assert remat.memo_key(cfg, args, 10 * GIB, policies) != remat.memo_key(
+        cfg, args, 10 * GIB, remat.candidates("auto", True, local_teacher=True))
+
+
+def test_a_run_resumed_at_the_last_policy_runs_that_policys_program(tmp_path):
+    """A record that leaves one candidate to try: it is taken without a compile, and `settle`
+    hands back that candidate's own program (not the one built first, `none`)."""
+    import jax
+    import jax.numpy as jnp
+
+    from farskip_jax.parallel import make_mesh
+    from farskip_jax.train.program import build_program
+
+    cfg = load_config("tiny_farskip", {"execution.remat": "auto", "execution.remat_budget_gib": 1.0})
+    program = build_program(cfg, make_mesh(cfg.mesh, jax.devices()[:1]))
+    assert program.student_exe.remat == "none"
+    args = (program.abstract_state(), program.abstract_teacher(), jnp.zeros((1, 2, 16), jnp.int32))
+    memo = tmp_path / remat.MEMO_NAME
+    key = remat.memo_key(cfg, args, GIB, remat.candidates("auto", False))
+    remat.remember(memo, "bounded", key, remat.Choice("full", None, GIB, {"full": GIB // 2}),
+                   rejected={"none": 2 * GIB, "save_dots": 2 * GIB})
+    (prog, compiled), choice = remat.settle(cfg, program, args, memo=memo)
+    assert (choice.policy, compiled, prog.student_exe.remat) == ("full", None, "full")
 
 
 def _losses(out) -> list[float]:
