@@ -225,6 +225,7 @@ def run_inspect(args: argparse.Namespace, build_step: BuildStep,
     # Before anything touches a JAX backend: cpu platforms (and the ROCm stand-ins for mi300x).
     aot.prepare_deviceless(args.target)
     from farskip_jax.inspect import hlo, report
+    from farskip_jax.train.remat import has_local_teacher
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     out = Path(args.out)
@@ -235,9 +236,7 @@ def run_inspect(args: argparse.Namespace, build_step: BuildStep,
     analyses: dict[str, Any] = {}
     for mode in modes:
         art, extra = _compile_mode(build_step(mesh, mode), mode, args, out)
-        from farskip_jax.train.remat import has_local_teacher
-
-        if has_local_teacher(extra.get("remat_auto", {}).get("policy", "")):  # auto chose it to fit
+        if has_local_teacher(extra.get("remat_auto", {}).get("policy", "")):  # the search chose it
             extra.update(_exchange_meta(args, mesh, teacher_setting="local"))
         analysis = hlo.analyze(art.hlo_text, args.target, art.lhs_schedule_text, grouped_fill(args),
                                declared_rows(args))
