@@ -241,7 +241,10 @@ def choose(policies: tuple[str, ...], compile_peak: Callable[[str], tuple[Any, i
     `schedule(compiled)` (GPU targets): a policy that fits but whose schedule leaves more than
     `MAX_SYNC_SHARE` of the collective transfer time synchronous (XLA's scheduler holds collectives
     back near its own memory limit: H200 EP32 `none`, 30% of its collectives, BENCHMARKS K14) is
-    compared with the next policy that fits, and the one with the shorter estimated step runs."""
+    compared with the next policy that fits, and the one with the shorter estimated step runs. So is
+    a local-teacher candidate that fits (the next is the same policy with the teacher split): the
+    copies pay on most layouts, not on all (64 MI300X as data=8 x expert=8: est. 539.1 against
+    533.3 ms, BENCHMARKS K24)."""
     if budget is None or len(policies) == 1:
         return Choice(policies[0], None, budget, {})
     peaks: dict[str, int | None] = {}
@@ -267,7 +270,7 @@ def choose(policies: tuple[str, ...], compile_peak: Callable[[str], tuple[Any, i
             if agree(keep_first):
                 return dataclasses.replace(first, peaks=peaks, estimates=estimates)
             return dataclasses.replace(choice, estimates=estimates)
-        if sched is None or sched.sync_share <= MAX_SYNC_SHARE:
+        if sched is None or (sched.sync_share <= MAX_SYNC_SHARE and not has_local_teacher(policy)):
             return choice
         held = (choice, sched)
     if held is not None:  # nothing after the held policy fits

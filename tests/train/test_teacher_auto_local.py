@@ -36,6 +36,42 @@ def test_the_search_tries_each_policy_with_the_local_teacher_first():
     assert remat.policy_of("none+local_teacher") == "none" and remat.has_local_teacher("none+local_teacher")
 
 
+def test_a_fitting_local_teacher_is_compared_with_the_split_one(caplog):
+    """With a schedule known (GPU targets), a local-teacher candidate that fits is compared with the
+    next that fits, the same policy with the teacher split, and the faster runs (64 MI300X as
+    data=8 x expert=8: est. 539.1 against 533.3 ms, BENCHMARKS K24); without one (CPU) the first fit
+    runs, nothing more compiled."""
+    cands = remat.candidates("auto", True, local_teacher=True)
+    peaks = {c: 10 if c.startswith("none") else 5 for c in cands}
+    sched = remat.Schedule
+
+    def run(schedules):
+        compiled: list[str] = []
+
+        def compile_peak(candidate):
+            compiled.append(candidate)
+            return candidate, peaks[candidate]
+
+        with caplog.at_level(logging.INFO):
+            choice = remat.choose(cands, compile_peak, budget=10, agree=lambda ok: ok,
+                                  schedule=(lambda c: schedules[c]) if schedules else None)
+        return choice, compiled
+
+    slower = {"none+local_teacher": sched(0.1, 539.1e3), "none": sched(0.1, 533.3e3)}
+    choice, compiled = run(slower)
+    assert (choice.policy, compiled) == ("none", ["none+local_teacher", "none"])
+    assert choice.estimates == {"none+local_teacher": 539.1e3, "none": 533.3e3}
+    faster = {"none+local_teacher": sched(0.1, 498.2e3), "none": sched(0.1, 505.2e3)}
+    choice, compiled = run(faster)
+    assert (choice.policy, compiled) == ("none+local_teacher", ["none+local_teacher", "none"])
+    choice, compiled = run({})
+    assert (choice.policy, compiled) == ("none+local_teacher", ["none+local_teacher"])
+    # the local teacher does not fit under none: the split one is a plain fit, as before
+    peaks["none+local_teacher"] = 11
+    choice, compiled = run(faster)
+    assert (choice.policy, compiled) == ("none", ["none+local_teacher", "none"])
+
+
 def test_which_steps_search_the_teachers_layout():
     fcsd = load_config("tiny_farskip", EP8)
     assert searches_teacher_layout(fcsd, expert_parallel=True)
