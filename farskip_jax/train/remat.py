@@ -28,8 +28,9 @@ With `mesh.teacher_experts: auto` on an FCSD step (`program.searches_teacher_lay
 places the frozen teacher's routed experts: each policy is tried first with all of them on every
 device (`local`: no exchange for the teacher, est. 1.4-7% faster, BENCHMARKS.md K23, K24), then as
 auto's in-node rule places them; a candidate's label says which (`none+local_teacher`, `none`). A
-candidate whose arguments alone exceed the budget is not compiled. Where no budget is known the
-teacher stays where the rule puts it.
+local-teacher candidate that fits is compared with the next that fits by the estimated step, as a
+held-back schedule is (`choose`). A candidate whose arguments alone exceed the budget is not
+compiled. Where no budget is known the teacher stays where the rule puts it.
 
 A run remembers its choices in `<train.output_dir>/remat_auto.json`, keyed by everything the
 compiled peaks depend on (`memo_key`): a restart of the same run starts its search at the policy
