@@ -390,11 +390,9 @@ class MeshConfig:
     # so copies cost only its weights; docs/gpus-and-multi-node.md). expert: over the expert axis, as
     # the student's. node: copied on every node, split over its ranks, so its exchanges stay off the
     # NICs (+2.5 GiB for DeepSeek-V2-Lite on 4 nodes of 8). local: all on every device, nothing
-    # exchanged (+23.5 GiB at EP8; est. 4-7% faster on H200, 1.4% on MI300X, BENCHMARKS.md K23).
-    # auto: local where the step compiled so fits execution.remat's memory budget and, on a GPU, is
-    # estimated faster than with the teacher split (its search tries each policy with it first,
-    # train/remat.py; never where no budget is known, e.g. on CPU), else node where the exchange is
-    # node-aware and that adds <= 4 GiB, else expert.
+    # exchanged (+23.5 GiB at EP8; BENCHMARKS.md K23). auto: local where execution.remat's search
+    # (train/remat.py) finds it fits the memory budget and is estimated faster (never without a
+    # budget, e.g. on CPU), else node where the exchange is node-aware and adds <= 4 GiB, else expert.
     teacher_experts: TeacherExperts = "auto"
 
     def validate(self) -> None:
