@@ -193,7 +193,8 @@ def _print(d: dict[str, Any], source: str) -> None:
               f"{_gib(d['training_state_bytes_per_device'])}")
     if "teacher_local_bytes_per_device" in d:
         print(f"    with the teacher's routed experts on every device, which mesh.teacher_experts=auto runs "
-              f"where the compiled step fits the memory budget: {_gib(d['teacher_local_bytes_per_device'])}")
+              f"where the compiled step fits the memory budget and is estimated faster: "
+              f"{_gib(d['teacher_local_bytes_per_device'])}")
 
 
 @cli_main
