@@ -245,6 +245,32 @@ def _take_rows_bwd(res: tuple[jax.Array, jax.Array], ct: jax.Array) -> tuple[jax
 take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
+@jax.custom_vjp
+def permute_rows(y_sd: jax.Array, slot_r: jax.Array, inverse_s: jax.Array) -> jax.Array:
+    """`take_rows(y_sd, slot_r)` where slot_r is one-to-one and its inverse is known: inverse_s[s]
+    is the row r with slot_r[r] == s, or >= R where no row reads slot s. Same values, same
+    gradient (bitwise: each row of it is one cotangent row or zero); the gradient is a gather
+    through inverse_s where `take_rows` scatters through slot_r. Why: the expert-parallel path
+    regroups every received row by expert and back, forward and backward, over buffers sized for
+    the bound, and a scatter of such a buffer costs more than the gather of the same rows (XLA's
+    fused [196608, 2048] bf16 scatter priced at 456 us on MI300X, the gather at 304 us;
+    BENCHMARKS.md K25)."""
+    return take_rows(y_sd, slot_r)
+
+
+def _permute_rows_fwd(y_sd: jax.Array, slot_r: jax.Array, inverse_s: jax.Array
+                      ) -> tuple[jax.Array, jax.Array]:
+    return take_rows(y_sd, slot_r), inverse_s
+
+
+def _permute_rows_bwd(inverse_s: jax.Array, ct: jax.Array) -> tuple[jax.Array, None, None]:
+    rows = ct.shape[0]
+    return jnp.where((inverse_s < rows)[:, None], ct[jnp.minimum(inverse_s, rows - 1)], 0), None, None
+
+
+permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+
+
 def padded_ffn(x_rd: jax.Array, slot_r: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
                rows_per_group: int) -> jax.Array:
     """SwiGLU of rows placed at given slots of a [G, C, D] buffer (C = `rows_per_group`): [R, D].
@@ -327,7 +353,8 @@ def routed_experts(x_nd: jax.Array, ids_nk: jax.Array, weights_nk: jax.Array, w_
     y_rd = grouped_ffn(x_nd[order_a // k], starts_g, w_gate, w_up, w_down, matmul, rows_per_group)
     r = order_a.shape[0]
     kept = (ids_nk < num_groups) & (srt.inv_a < r).reshape(n, k)  # rows past `rows` are selected away
-    return weighted_sum(y_rd[jnp.minimum(srt.inv_a, r - 1)].reshape(n, k, -1), kept, weights_nk)
+    # sorted row s holds assignment order_a[s]: the inverse of inv_a over the rows computed
+    return weighted_sum(permute_rows(y_rd, srt.inv_a, order_a).reshape(n, k, -1), kept, weights_nk)
 
 
 def local_rows(ids_nk: jax.Array, num_groups: int) -> jax.Array:

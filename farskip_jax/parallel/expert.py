@@ -58,10 +58,10 @@ from farskip_jax.model.dispatch import (
     grouped_ffn,
     moe_buffer,
     padded_ffn,
+    permute_rows,
     resolve_matmul,
     rows_per_expert,
     sort_by_group,
-    take_rows,
     weighted_sum,
 )
 from farskip_jax.model.moe import RoutedExperts, Routing, SharedFn, local_routed
@@ -285,9 +285,10 @@ def _expert_ffn(matmul: str, rows_per_group: int, recv_rd: jax.Array, rg: _Regro
         slot_r = jnp.where(rg.expert_r < local, expert * rows_per_group + rg.dst_r - rg.starts_l[expert],
                            local * rows_per_group + jnp.arange(recv_rd.shape[0], dtype=jnp.int32))
         return padded_ffn(recv_rd, slot_r, w_gate, w_up, w_down, rows_per_group)
-    y_rd = grouped_ffn(take_rows(recv_rd, rg.src_r), rg.starts_l, w_gate, w_up, w_down,
+    # src_r and dst_r are each other's inverse: both regroupings' gradients are gathers
+    y_rd = grouped_ffn(permute_rows(recv_rd, rg.src_r, rg.dst_r), rg.starts_l, w_gate, w_up, w_down,
                        matmul, rows_per_group)  # type: ignore[arg-type]
-    return take_rows(y_rd, rg.dst_r)
+    return permute_rows(y_rd, rg.dst_r, rg.src_r)
 
 
 class _Plan(NamedTuple):
@@ -526,7 +527,8 @@ class _EPShard:
                 out_rd = _ragged_move(_Route("expert", self._blocks_of_axis), back_rd, out,
                                       self._plan(srt, n).transposed())
                 out_rd = checkpoint_name(out_rd, A2A_COMBINE)
-                back_a = srt.inv_a
+                # each assignment's row; inv_a and order_a are inverse permutations of [0, N*K)
+                rows_a = permute_rows(out_rd, srt.inv_a, srt.order_a)
             else:  # the whole [G*B, D] buffer travels; assignment a (sorted row inv[a], to rank g)
                 # comes back at g*B + inv[a] - send_start[g]
                 b = self.buffer(n).rows
@@ -536,4 +538,5 @@ class _EPShard:
                 rank_a = jnp.minimum(srt.ids_a // local, groups - 1)
                 send_start_g = srt.starts_e[0, :-1:local]
                 back_a = jnp.where(valid_a, rank_a * b + srt.inv_a - send_start_g[rank_a], 0)
-        return weighted_sum(out_rd[back_a].reshape(n, k, -1), valid_a.reshape(n, k), weights_nk)
+                rows_a = out_rd[back_a]
+        return weighted_sum(rows_a.reshape(n, k, -1), valid_a.reshape(n, k), weights_nk)
