@@ -53,6 +53,20 @@ def category(mod: HloModule, ins: Instr) -> str:  # type: ignore[valid-type]
     return f"fusion {ins.attr('kind') or '?'} [{marked}]"
 
 
+def coarse(cat: str) -> str:
+    """A category's group in BENCHMARKS.md K25's table: kernels, dense matmuls, data movement."""
+    if "groupedMatmul" in cat or "mosaic_gpu" in cat:
+        return "kernels: grouped GEMMs (MI300X hipBLASLt; H200 tokamax Mosaic, attention too)"
+    if "triton" in cat:
+        return "attention kernel (Triton)"
+    if "matmul" in cat or "[dot]" in cat:
+        return "dense matmuls"
+    for group in ("scatter", "gather", "reduce", "elementwise"):
+        if group in cat:
+            return {"reduce": "reductions", "elementwise": "elementwise fusions"}.get(group, group + "s")
+    return "other"
+
+
 def compute_by_category(mod: HloModule, cost: Any) -> Counter[str]:  # type: ignore[valid-type]
     """Serial compute (us) by category over every scheduled computation, loops x trips."""
     acc: Counter[str] = Counter()
@@ -74,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", choices=sorted(HARDWARE), required=True)
     p.add_argument("--fill", type=float, default=1.0, help="grouped GEMM fill (default 1.0: every row)")
     p.add_argument("--top", type=int, default=12, help="categories to list")
+    p.add_argument("--coarse", action="store_true", help="group the categories as K25's table does")
     args = p.parse_args(argv)
     if len(args.hlo) > 2:
         p.error("one program, or two to compare")
@@ -83,7 +98,13 @@ def main(argv: list[str] | None = None) -> int:
         text = _read(path)
         tot = hlo.analyze(text, args.target, None, args.fill).totals
         mod = parse_hlo(text)
-        cats.append(compute_by_category(mod, CostModel(mod, HARDWARE[args.target], args.fill)))
+        cat = compute_by_category(mod, CostModel(mod, HARDWARE[args.target], args.fill))
+        if args.coarse:
+            grouped: Counter[str] = Counter()
+            for name, us in cat.items():
+                grouped[coarse(name)] += us
+            cat = grouped
+        cats.append(cat)
         print(f"{path}: est. step {tot['est_step_us'] / 1e3:.2f} ms, serial compute "
               f"{tot['est_compute_us'] / 1e3:.2f} ms, collective time hidden "
               f"{100 * tot['all']['hidden_frac']:.1f}%")
