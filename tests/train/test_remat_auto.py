@@ -9,6 +9,7 @@ import logging
 import math
 
 import pytest
+from remat_choices import choose_with_peaks
 
 from farskip_jax.config import load_config
 from farskip_jax.execution import ExecutionConfig
@@ -80,16 +81,8 @@ def test_choose_compares_a_schedule_held_back_by_memory(caplog):
     policies = remat.candidates("auto", True)
 
     def run(schedules):
-        compiled: list[str] = []
-
-        def compile_peak(policy):
-            compiled.append(policy)
-            return policy, peaks[policy]
-
         with caplog.at_level(logging.INFO):
-            choice = remat.choose(policies, compile_peak, budget=10, agree=lambda ok: ok,
-                                  schedule=lambda policy: schedules.get(policy))
-        return choice, compiled
+            return choose_with_peaks(policies, peaks, schedule=lambda policy: schedules.get(policy))
 
     sched = remat.Schedule
     # none fits but 31% of its collective time is synchronous; save_a2a(_dots) does not fit; save_dots

@@ -11,6 +11,7 @@ import logging
 import jax
 import numpy as np
 import pytest
+from remat_choices import choose_with_peaks
 
 from farskip_jax.config import load_config
 from farskip_jax.parallel import make_mesh
@@ -46,16 +47,8 @@ def test_a_fitting_local_teacher_is_compared_with_the_split_one(caplog):
     sched = remat.Schedule
 
     def run(schedules):
-        compiled: list[str] = []
-
-        def compile_peak(candidate):
-            compiled.append(candidate)
-            return candidate, peaks[candidate]
-
         with caplog.at_level(logging.INFO):
-            choice = remat.choose(cands, compile_peak, budget=10, agree=lambda ok: ok,
-                                  schedule=(lambda c: schedules[c]) if schedules else None)
-        return choice, compiled
+            return choose_with_peaks(cands, peaks, schedule=(lambda c: schedules[c]) if schedules else None)
 
     slower = {"none+local_teacher": sched(0.1, 539.1e3), "none": sched(0.1, 533.3e3)}
     choice, compiled = run(slower)
