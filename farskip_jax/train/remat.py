@@ -26,7 +26,7 @@ a step first overflows, recomputes more only where that policy would not fit.
 
 With `mesh.teacher_experts: auto` on an FCSD step (`program.searches_teacher_layout`) the same search
 places the frozen teacher's routed experts: each policy is tried first with all of them on every
-device (`local`: no exchange for the teacher, est. 1.4-7% faster, BENCHMARKS.md K23, K24), then as
+device (`local`: no exchange for the teacher, est. 1.1-7% faster, BENCHMARKS.md K23-K25), then as
 auto's in-node rule places them; a candidate's label says which (`none+local_teacher`, `none`). A
 local-teacher candidate that fits is compared with the next that fits by the estimated step, as a
 held-back schedule is (`choose`). A candidate whose arguments alone exceed the budget is not
