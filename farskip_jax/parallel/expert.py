@@ -7,20 +7,21 @@ scheduling hints used here are `farskip_jax.model.schedule`'s (each with its con
 `shard_map`s wrap only the routed experts. Each shard sorts its own (token, choice) assignments by
 expert (model/dispatch.py), which also groups them by destination rank, shares the per-(destination,
 local expert) counts (a tiny all_gather), then sends the rows (Dispatch), runs its local experts as
-one grouped matmul over rows regrouped by local expert, sends the results back (Combine) and sums
+one grouped matmul over the rows grouped by local expert, sends the results back (Combine) and sums
 them with the router weights. The shared experts run between the two shard_maps and the Combine
 waits for them, so they hide the Dispatch. Under FarSkip the Combine's result feeds only
 `x' = y' + R`, which the next layer's attention does not read: XLA may run the Combine under that
 attention. Shape legend as in model/dispatch.py, plus G expert-parallel ranks, L = E / G local
 experts, R receive rows (ragged exchange), B rows per source (padded exchange).
 
-The row exchange is `jax.lax.ragged_all_to_all` (only the routed rows move) into a receive buffer
-of R rows where the sources' rows lie packed in source order, or, where that does not exist
-(XLA:CPU), a plain all_to_all of per-destination buffers of B rows, source s's at [s*B, s*B + its
-count). Everything after the exchange reads the receive layout through one regrouping
-(`_regroup`), so the rest is shared. The ragged Combine sends each row back to the place its source
-sorted it to, so a source receives its own N*K rows, not a receive buffer; Dispatch and Combine are
-each other's transpose, and the backward pass runs them as such (`_ragged_move`).
+The row exchange is `jax.lax.ragged_all_to_all` (only the routed rows move), one slice per
+(destination, local expert), into a receive buffer of R rows laid out by local expert (then
+source): the grouped matmul reads it as it is. Where that op does not exist (XLA:CPU) it is a plain
+all_to_all of per-destination buffers of B rows, source s's at [s*B, s*B + its count), which one
+regrouping (`_regroup`) puts in expert order and back. The ragged Combine sends each row back to
+the place its source sorted it to, so a source receives its own N*K rows, not a receive buffer;
+Dispatch and Combine are each other's transpose, and the backward pass runs them as such
+(`_ragged_move`).
 
 Optimistic dropless: R and B come from `dispatch.moe_buffer` (`execution.moe_buffer_factor` x what
 balanced routing delivers, not the worst case of every peer sending all of its rows to one rank:
@@ -292,11 +293,13 @@ def _expert_ffn(matmul: str, rows_per_group: int, recv_rd: jax.Array, rg: _Regro
 
 
 class _Plan(NamedTuple):
-    """One ragged exchange over `expert`, and what its transpose needs; every field is [G] int32.
+    """One ragged exchange over `expert`, and what its transpose needs; every field is [G * S] int32:
+    S slices per peer, peer-major (`jax.lax.ragged_all_to_all`'s layout).
 
-    This rank sends x[in_off[g] : in_off[g] + send[g]] to rank g, where it lands at out_off[g] of
-    g's output; it receives recv[s] rows from source s at back_in[s] of its own output, taken
-    from back_out[s] of s's operand. The Dispatch and the Combine are each other's transpose.
+    This rank's slice j for rank g is x[in_off[i] : in_off[i] + send[i]] (i = g*S + j), which lands
+    at out_off[i] of g's output; it receives recv[i] rows as source s's slice j (i = s*S + j) at
+    back_in[i] of its own output, taken from back_out[i] of s's operand. The Dispatch and the
+    Combine are each other's transpose.
     """
 
     in_off: jax.Array
@@ -308,6 +311,29 @@ class _Plan(NamedTuple):
 
     def transposed(self) -> _Plan:
         return _Plan(self.back_in, self.recv, self.back_out, self.send, self.in_off, self.out_off)
+
+
+def expert_major_plan(counts_sgl: jax.Array, starts_sg: jax.Array, me: jax.Array) -> tuple[_Plan, jax.Array]:
+    """A ragged exchange with one slice per (receiver, receiver's local expert), landing expert-major,
+    and [L + 1]: where each of rank `me`'s local experts starts in its receive buffer.
+
+    counts_sgl [S, G, L]: sender s's rows for receiver g's local expert l, which lie in s's sorted
+    rows from starts_sg [S, G] on, local experts ascending. In g's buffer expert l's rows come from
+    every sender in sender order, experts one after another, so the grouped GEMM reads the receive
+    buffer as it is, and its output goes back as it is. With one slice per receiver (rows arriving
+    sender-major) the buffer had to be regrouped by expert and back: a gather of the whole bounded
+    buffer each way, forward and backward (BENCHMARKS.md K26)."""
+    total_gl = counts_sgl.sum(axis=0)
+    # where (g, l)'s rows from sender s land in g's buffer: expert l's start, then the senders before s
+    expert_start_gl = jnp.cumsum(total_gl, axis=1) - total_gl
+    land_sgl = expert_start_gl[None] + jnp.cumsum(counts_sgl, axis=0) - counts_sgl
+    # where they start in s's sorted rows: its block for g, then the experts before l
+    taken_sgl = starts_sg[..., None] + jnp.cumsum(counts_sgl, axis=2) - counts_sgl
+    plan = _Plan(in_off=taken_sgl[me].reshape(-1), send=counts_sgl[me].reshape(-1),
+                 out_off=land_sgl[me].reshape(-1), recv=counts_sgl[:, me].reshape(-1),
+                 back_in=land_sgl[:, me].reshape(-1), back_out=taken_sgl[:, me].reshape(-1))
+    starts_l = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(total_gl[me])]).astype(jnp.int32)
+    return plan, starts_l
 
 
 Groups = tuple[tuple[int, ...], ...] | None  # axis_index_groups of a collective (None: the whole axis)
@@ -452,25 +478,11 @@ class _EPShard:
         return _Sorted(ids_a, srt.order_a, srt.inv_a, srt.starts_g[None], meta[None],
                        overflow.astype(jnp.int32)[None]), dropped
 
-    def _blocks(self, meta: jax.Array, n: int) -> jax.Array:
-        """[G, G]: where source s's block starts in rank g's receive buffer."""
-        if self.exchange == "ragged":
-            totals_sg = meta[..., :self.local].sum(axis=2)
-            return jnp.cumsum(totals_sg, axis=0) - totals_sg  # packed in source order
-        b = self.buffer(n).rows
-        return jnp.broadcast_to(jnp.arange(self.groups, dtype=jnp.int32)[:, None] * b, (self.groups,) * 2)
-
-    def _plan(self, srt: _Sorted, n: int) -> _Plan:
-        """The Dispatch's ragged exchange (the Combine's is its transpose)."""
+    def _plan(self, srt: _Sorted) -> tuple[_Plan, jax.Array]:
+        """The Dispatch's ragged exchange (the Combine's is its transpose) and where this rank's
+        local experts start in its receive buffer (`expert_major_plan`)."""
         meta, local = srt.meta[0], self.local
-        me = self._me()
-        blocks = self._blocks(meta, n)
-        totals_sg = meta[..., :local].sum(axis=2)
-        return _Plan(in_off=srt.starts_e[0, :-1:local], send=totals_sg[me],
-                     out_off=blocks[me],  # where my rows land in each rank's buffer
-                     recv=totals_sg[:, me],
-                     back_in=blocks[:, me],  # where each source's rows lie in my buffer
-                     back_out=meta[:, me, local])
+        return expert_major_plan(meta[..., :local], meta[..., local], self._me())
 
     def dispatch_experts(self, x_nd: jax.Array, weights_nk: jax.Array, experts_nk: jax.Array,
                          w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array
@@ -484,28 +496,32 @@ class _EPShard:
         groups, local, rows = self.groups, self.local, self.receive_rows(n)
         srt, dropped = self._sort(n, weights_nk, experts_nk)
         meta = srt.meta[0]
-        with jax.named_scope("dispatch"):
-            if self.exchange == "ragged":
+        per_expert = min(groups * rows_per_expert(n, self.seq_len, self.cfg, self.exe), rows)
+        if self.exchange == "ragged":
+            plan, starts_l = self._plan(srt)
+            with jax.named_scope("dispatch"):
                 recv_rd = _ragged_move(_Route("expert", self._blocks_of_axis), x_nd[srt.order_a // k],
-                                       schedule.fresh_zeros(rows, x_nd, srt.ids_a), self._plan(srt, n))
-            else:  # per-destination buffers: slot q of rank g holds sorted row send_start[g] + q
-                b = self.buffer(n).rows
-                me = self._me()
-                starts_e = srt.starts_e[0]
-                slot_gq = starts_e[:-1:local, None] + jnp.arange(b, dtype=jnp.int32)
-                token_gq = srt.order_a[jnp.minimum(slot_gq, n * k - 1)] // k
-                sent_g = meta[me, :, :local].sum(axis=1)  # 0 everywhere on an overflow
-                filled_gq = jnp.arange(b, dtype=jnp.int32)[None, :] < sent_g[:, None]
-                rows_gqd = jnp.where(filled_gq[..., None], x_nd[token_gq], 0)
-                recv_rd = jax.lax.all_to_all(rows_gqd, "expert", 0, 0,
-                                             axis_index_groups=self._blocks_of_axis).reshape(rows, -1)
-            recv_rd = checkpoint_name(recv_rd, A2A_DISPATCH)
-        with jax.named_scope("experts"):
-            me = self._me()
-            rg = _regroup(meta[:, me, :local], self._blocks(meta, n)[:, me], rows)
-            per_expert = min(groups * rows_per_expert(n, self.seq_len, self.cfg, self.exe), rows)
-            back_rd = _expert_ffn(self.matmul, per_expert, recv_rd, rg, w_gate, w_up, w_down)
+                                       schedule.fresh_zeros(rows, x_nd, srt.ids_a), plan)
+                recv_rd = checkpoint_name(recv_rd, A2A_DISPATCH)
+            with jax.named_scope("experts"):  # the receive buffer is expert-major already
+                back_rd = grouped_ffn(recv_rd, starts_l, w_gate, w_up, w_down, self.matmul, per_expert)
             return back_rd, srt, dropped, srt.overflow
+        # padded: per-destination buffers, slot q of rank g holds sorted row send_start[g] + q
+        b, me = self.buffer(n).rows, self._me()
+        with jax.named_scope("dispatch"):
+            starts_e = srt.starts_e[0]
+            slot_gq = starts_e[:-1:local, None] + jnp.arange(b, dtype=jnp.int32)
+            token_gq = srt.order_a[jnp.minimum(slot_gq, n * k - 1)] // k
+            sent_g = meta[me, :, :local].sum(axis=1)  # 0 everywhere on an overflow
+            filled_gq = jnp.arange(b, dtype=jnp.int32)[None, :] < sent_g[:, None]
+            rows_gqd = jnp.where(filled_gq[..., None], x_nd[token_gq], 0)
+            recv_rd = jax.lax.all_to_all(rows_gqd, "expert", 0, 0,
+                                         axis_index_groups=self._blocks_of_axis).reshape(rows, -1)
+            recv_rd = checkpoint_name(recv_rd, A2A_DISPATCH)
+        with jax.named_scope("experts"):  # source s's rows lie in its slots [s*B, s*B + count)
+            rg = _regroup(meta[:, me, :local], jnp.arange(groups, dtype=jnp.int32) * b, rows)
+            back_rd = _expert_ffn(self.matmul, per_expert, recv_rd, rg, w_gate, w_up, w_down)
+        return back_rd, srt, dropped, srt.overflow
 
     def combine(self, back_rd: jax.Array, srt: _Sorted, weights_nk: jax.Array,
                 after_nd: jax.Array) -> jax.Array:
@@ -525,7 +541,7 @@ class _EPShard:
                 # Rows come back in this rank's sorted order: [N*K, D]; dropped ones stay unwritten.
                 out = schedule.after_by_data(schedule.fresh_zeros(n * k, back_rd, srt.inv_a), after_nd)
                 out_rd = _ragged_move(_Route("expert", self._blocks_of_axis), back_rd, out,
-                                      self._plan(srt, n).transposed())
+                                      self._plan(srt)[0].transposed())
                 out_rd = checkpoint_name(out_rd, A2A_COMBINE)
                 # each assignment's row; inv_a and order_a are inverse permutations of [0, N*K)
                 rows_a = permute_rows(out_rd, srt.inv_a, srt.order_a)

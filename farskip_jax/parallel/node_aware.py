@@ -36,7 +36,8 @@ nodes of Lr ranks, El = E / (Nn Lr) experts per rank, En = E / Nn per node:
   2. Dispatch, inside the node (peers (d, r) for every r): that intermediate rank sorts the
      (row, choice) assignments it received by node-local expert and sends each row to the rank owning the
      expert: the flat exchange, over the node's Lr ranks.
-  3. The experts: the flat path's grouped FFN over the received rows (`_regroup`, `_expert_ffn`).
+  3. The experts: the flat path's grouped FFN over the received rows (the ragged stage 2 lands
+     them expert-major, `expert.expert_major_plan`; the padded one is regrouped, `_regroup`).
   4. Combine, inside the node: the transposed stage-2 exchange brings each expert output back to
      the intermediate, which forms every received row's router-weighted partial sum over the
      node's experts (fp32 products and sum, as `weighted_sum`; `_partial_sums`).
@@ -98,13 +99,22 @@ from farskip_jax.model.dispatch import (
     MoeBuffer,
     bounded_buffer,
     drop_over_capacity,
+    grouped_ffn,
     rows_per_expert,
     sort_by_group,
     take_rows,
     weighted_sum,
 )
 from farskip_jax.model.moe import RoutedExperts, Routing, SharedFn
-from farskip_jax.parallel.expert import Groups, _expert_ffn, _Plan, _ragged_move, _regroup, _Route
+from farskip_jax.parallel.expert import (
+    Groups,
+    _expert_ffn,
+    _Plan,
+    _ragged_move,
+    _regroup,
+    _Route,
+    expert_major_plan,
+)
 from farskip_jax.parallel.mesh import BATCH_AXES
 
 AXIS = "expert"
@@ -222,9 +232,12 @@ class _Stage:
                      back_in=blocks[:, me], back_out=starts_sd[:, me])
 
     def dispatch(self, rows_aw: jax.Array, side_am: jax.Array | None, counts_sd: jax.Array,
-                 starts_sd: jax.Array, me: jax.Array, dep: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+                 starts_sd: jax.Array, me: jax.Array, dep: jax.Array, plan: _Plan | None = None
+                 ) -> tuple[jax.Array, jax.Array | None]:
         """The sender's sorted rows [A, W] (and float32 side columns [A, M], bit-packed into the same
-        exchange) into the receivers' buffers: ([rows, W], [rows, M] or None).
+        exchange) into the receivers' buffers: ([rows, W], [rows, M] or None). `plan`: the ragged
+        exchange's own layout of the receive buffers (stage 2's `expert_major_plan`) instead of
+        the senders' blocks in sender order.
 
         `dep` (here and in `combine`): an int array, never negative at [0], that varies over the mesh
         like the tokens (not a sort's permutation: argsort drops that type); the ragged exchange's
@@ -237,7 +250,8 @@ class _Stage:
         if self.exchange == "ragged":
             packed = rows_aw if side is None else _pack(rows_aw, side_am)
             out = schedule.fresh_zeros(self.rows, packed, dep)
-            recv = _ragged_move(self.route, packed, out, self.plan(counts_sd, starts_sd, me))
+            plan = self.plan(counts_sd, starts_sd, me) if plan is None else plan
+            recv = _ragged_move(self.route, packed, out, plan)
         else:
             b = self.slot
             slot_gq = jnp.minimum(starts_sd[me][:, None] + jnp.arange(b, dtype=jnp.int32),
@@ -253,17 +267,18 @@ class _Stage:
         return (recv, None) if side is None else _unpack(recv, side)
 
     def combine(self, back_rw: jax.Array, counts_sd: jax.Array, starts_sd: jax.Array, me: jax.Array,
-                rows: int, dest_a: jax.Array | None, dep: jax.Array, after: jax.Array | None = None
-                ) -> jax.Array:
+                rows: int, dest_a: jax.Array | None, dep: jax.Array, after: jax.Array | None = None,
+                plan: _Plan | None = None) -> jax.Array:
         """The transpose of `dispatch`: the receivers' rows back to the sender's first `rows` sorted
         rows [rows, W] (rows that were not sent hold anything). `dest_a` [rows]: each sorted row's
         receiver (the padded exchange's only). `after`: the ragged exchange's output buffer waits for
-        it (`schedule.after_by_data`)."""
+        it (`schedule.after_by_data`). `plan`: the Dispatch's, as there."""
         if self.exchange == "ragged":
             out = schedule.fresh_zeros(rows, back_rw, dep)
             if after is not None:
                 out = schedule.after_by_data(out, after)
-            moved = _ragged_move(self.route, back_rw, out, self.plan(counts_sd, starts_sd, me).transposed())
+            plan = self.plan(counts_sd, starts_sd, me) if plan is None else plan
+            moved = _ragged_move(self.route, back_rw, out, plan.transposed())
         else:
             assert dest_a is not None
             b = self.slot
@@ -389,6 +404,14 @@ class _NodeShard:
         totals = counts2.sum(axis=2)
         return jnp.cumsum(totals, axis=1) - totals
 
+    def _plan2(self, counts2: jax.Array, loc: jax.Array) -> tuple[_Plan | None, jax.Array | None]:
+        """The ragged stage-2 exchange, one slice per (receiver, its expert), landing expert-major
+        (`expert_major_plan`), and where my experts start in my receive buffer; (None, None) for the
+        padded exchange, whose fixed slots are regrouped (`_regroup`)."""
+        if self.exchange != "ragged":
+            return None, None
+        return expert_major_plan(counts2, self._starts2(counts2), loc)
+
     def dispatch_experts(self, x_nd: jax.Array, weights_nk: jax.Array, experts_nk: jax.Array,
                          w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array
                          ) -> tuple[jax.Array, _NodeState, jax.Array, jax.Array]:
@@ -427,14 +450,18 @@ class _NodeShard:
             # stage 2: the received (row, choice) assignments by node-local expert = by receiver
             srt = sort_by_group(lid_rk.reshape(-1), en)
             counts2_sd = counts2.sum(axis=2)
+            plan2, starts_l = self._plan2(counts2, loc)
             recv2, _ = stage2.dispatch(x_rd[srt.order_a[:s2.rows] // k], None, counts2_sd,
-                                       self._starts2(counts2), loc, lid_rk)
+                                       self._starts2(counts2), loc, lid_rk, plan2)
             recv2 = checkpoint_name(recv2, A2A_DISPATCH)
         with jax.named_scope("experts"):
             rows2 = stage2.rows
-            rg = _regroup(counts2[:, loc], stage2.blocks(counts2_sd)[:, loc], rows2)
             per_expert = min(self.ranks * rows_per_expert(n, self.seq_len, self.cfg, self.exe), rows2)
-            back_rd = _expert_ffn(self.matmul, per_expert, recv2, rg, w_gate, w_up, w_down)
+            if plan2 is not None:  # ragged: the receive buffer is expert-major already
+                back_rd = grouped_ffn(recv2, starts_l, w_gate, w_up, w_down, self.matmul, per_expert)
+            else:
+                rg = _regroup(counts2[:, loc], stage2.blocks(counts2_sd)[:, loc], rows2)
+                back_rd = _expert_ffn(self.matmul, per_expert, recv2, rg, w_gate, w_up, w_down)
         if self.exe.capacity_factor > 0:  # equal tokens per shard: the mean of means is the global mean
             dropped = jax.lax.pmean(dropped, BATCH_AXES)
         state = _NodeState(present_nd & ~overflow, pairs.inv_a, node_q, lid_rk, w_rk, srt.inv_a,
@@ -456,7 +483,7 @@ class _NodeShard:
             if self.exchange == "padded":
                 dest_a = jnp.minimum(st.lid_rk.reshape(-1)[st.order_a] // el, lr - 1)
             y_ad = stage2.combine(back_rd, counts2.sum(axis=2), self._starts2(counts2), loc, s2.rows, dest_a,
-                                  st.lid_rk, after=after_nd)
+                                  st.lid_rk, after=after_nd, plan=self._plan2(counts2, loc)[0])
             # kept for remat: the partial sums' backward reads it (the stage-1 Combine's result is
             # read by nothing in the backward pass, so it is not kept)
             y_ad = checkpoint_name(y_ad, A2A_COMBINE)

@@ -73,31 +73,35 @@ def emulated_ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offs
                                send_sizes: jax.Array, output_offsets: jax.Array, recv_sizes: jax.Array, *,
                                axis_name: str, axis_index_groups: Any = None) -> jax.Array:
     """`jax.lax.ragged_all_to_all` as its docstring defines it, from plain all_to_alls (XLA:CPU has
-    no ragged-all-to-all), for one slice per peer of the whole axis or of each of
-    `axis_index_groups`: checks the offsets and sizes a caller passes.
+    no ragged-all-to-all), for any number of slices per peer (peer-major) of the whole axis or of
+    each of `axis_index_groups`: checks the offsets and sizes a caller passes.
 
     The real op types its result like `output`: an `output` that does not vary over the exchange's
     axis would make the result mesh-invariant, and JAX would psum its cotangent in the backward
     pass; the emulation (whose result varies either way) refuses such a buffer."""
     manual = getattr(jax.typeof(output), "manual_axis_type", None)  # absent outside shard_map
     assert manual is None or axis_name in manual.varying, f"output buffer invariant over {axis_name!r}"
-    peers, m = input_offsets.shape[0], operand.shape[0]
     groups = None if axis_index_groups is None else [list(g) for g in axis_index_groups]
-    assert groups is None or all(len(g) == peers for g in groups)  # one offset per peer of the group
+    assert groups is None or len({len(g) for g in groups}) == 1
+    peers = jax.lax.axis_size(axis_name) if groups is None else len(groups[0])
+    n, m = input_offsets.shape[0], operand.shape[0]
+    slices = n // peers
+    assert slices * peers == n, (n, peers)  # the op's contract: a whole number of slices per peer
     padded = jnp.concatenate([operand, jnp.zeros_like(operand)])  # any slice of <= m rows fits
     chunks = jax.vmap(lambda off: jax.lax.dynamic_slice_in_dim(padded, off, m))(input_offsets)
     rows = jnp.arange(m)
     chunks = jnp.where((rows[None, :] < send_sizes[:, None])[..., None], chunks, 0)
-    # [peers, m, ...] from each source of the group
-    received = jax.lax.all_to_all(chunks, axis_name, 0, 0, axis_index_groups=groups)
-    # Where each source's slice lands here: its output_offsets entry for this rank.
+    # [peers, slices, m, ...]: each source's slices for this rank
+    received = jax.lax.all_to_all(chunks.reshape(peers, slices, *chunks.shape[1:]), axis_name, 0, 0,
+                                  axis_index_groups=groups)
+    # Where each source's slice j lands here (entry s*slices + j): its output_offsets entry for this rank.
     landing = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True, axis_index_groups=groups)
     out_rows = jnp.arange(output.shape[0])
     result = output
-    for s in range(peers):
-        inside = (out_rows >= landing[s]) & (out_rows < landing[s] + recv_sizes[s])
-        src = jnp.clip(out_rows - landing[s], 0, m - 1)
-        result = jnp.where(inside[:, None], received[s][src], result)
+    for i in range(n):
+        inside = (out_rows >= landing[i]) & (out_rows < landing[i] + recv_sizes[i])
+        src = jnp.clip(out_rows - landing[i], 0, m - 1)
+        result = jnp.where(inside[:, None], received[i // slices, i % slices][src], result)
     return result
 
 

@@ -332,3 +332,11 @@ def test_ragged_exchange_compiles_for_h200():
             todo += re.findall(r"%([\w.\-]+)", defs[name].split(", metadata=")[0])
     assert len(starts) == 4
     assert any(shared_re.search(defs[n]) and "transpose(" not in defs[n] for n in seen), starts[1]
+    # The Dispatch lands rows expert-major (one slice per destination and local expert), so the
+    # grouped GEMM reads the receive buffer [R, D] as it is: no gather or scatter of R rows, forward
+    # or backward (source-major rows were regrouped by two such gathers each way).
+    recv_rows = max(int(m) for m in
+                    re.findall(r"= \(?bf16\[(\d+),\d+\][^\n]*? ragged-all-to-all", art.hlo_text))
+    moved = re.findall(rf"= bf16\[{recv_rows},[\d,]+\]\S* (gather|scatter)\(", art.hlo_text)
+    print(f"PARALLEL_H200_RECEIVE_ROWS {recv_rows} gathers/scatters of them: {len(moved)}")
+    assert not moved
