@@ -249,8 +249,8 @@ class _Regroup(NamedTuple):
 def _regroup(recv_counts_gl: jax.Array, block_start_g: jax.Array, rows: int) -> _Regroup:
     """Maps the receive layout to local-expert-major rows. Source s's rows lie in
     [block_start_g[s], block_start_g[s] + its count), local experts ascending (senders sort by
-    global expert id); the blocks are in source order and do not overlap (packed for the ragged
-    exchange, fixed slots of B rows for the padded one)."""
+    global expert id); the blocks are in source order and do not overlap: the padded exchange's
+    fixed slots of B rows (the ragged exchange lands rows expert-major, `expert_major_plan`)."""
     groups, local = recv_counts_gl.shape
     within_gl = jnp.cumsum(recv_counts_gl, axis=1) - recv_counts_gl  # expert l's offset in source s's block
     start_f = (block_start_g[:, None] + within_gl).reshape(-1)  # (source, expert) groups, in row order
@@ -274,7 +274,8 @@ def _regroup(recv_counts_gl: jax.Array, block_start_g: jax.Array, rows: int) -> 
 
 def _expert_ffn(matmul: str, rows_per_group: int, recv_rd: jax.Array, rg: _Regroup, w_gate: jax.Array,
                 w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """This rank's experts over the received rows (regrouped by expert and back): [G*B, D].
+    """This rank's experts over the padded exchange's received rows (regrouped by expert and back):
+    [G*B, D].
 
     JAX's own VJP. (Until K22 the input gradient was gated on the weight gradients, so that XLA
     could not defer them to the end of the step with every layer's worst-case grouped-GEMM buffers

@@ -26,11 +26,12 @@ a step first overflows, recomputes more only where that policy would not fit.
 
 With `mesh.teacher_experts: auto` on an FCSD step (`program.searches_teacher_layout`) the same search
 places the frozen teacher's routed experts: each policy is tried first with all of them on every
-device (`local`: no exchange for the teacher, est. 1.1-7% faster, BENCHMARKS.md K23-K25), then as
-auto's in-node rule places them; a candidate's label says which (`none+local_teacher`, `none`). A
-local-teacher candidate that fits is compared with the next that fits by the estimated step, as a
-held-back schedule is (`choose`). A candidate whose arguments alone exceed the budget is not
-compiled. Where no budget is known the teacher stays where the rule puts it.
+device (`local`: no exchange for the teacher; est. 4.6% faster on 8 H200, 2.6% slower on 8 MI300X,
+BENCHMARKS.md K26), then as auto's in-node rule places them; a candidate's label says which
+(`none+local_teacher`, `none`). A local-teacher candidate that fits is compared with the next that
+fits by the estimated step, as a held-back schedule is (`choose`), and the faster runs. A candidate
+whose arguments alone exceed the budget is not compiled. Where no budget is known the teacher stays
+where the rule puts it.
 
 A run remembers its choices in `<train.output_dir>/remat_auto.json`, keyed by everything the
 compiled peaks depend on (`memo_key`): a restart of the same run starts its search at the policy
