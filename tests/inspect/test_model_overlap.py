@@ -81,12 +81,13 @@ def test_production_step_farskip_exposes_less_exchange_time_than_regular(product
     execution (kernels, buffers, one stream): less exposed all-to-all time, no synchronous exchange,
     more of all collective time hidden. Measured on jaxlib 0.12 (H200, deviceless, save_a2a_dots):
     ragged all-to-all exposed 1027 us vs 1739 us (0.59x; hidden 67.6% vs 45.2%), all collectives
-    60.9% vs 46.1% hidden. The bar, 0.85x, leaves room for schedule noise of a compiler update and
-    still fails if FarSkip's advantage halves. Where the two differ: regular's forward exchanges
-    run with 0.5-29 us of compute under 396 us each (its MoE waits for the attention before it);
-    FarSkip's forward Combines 60-100% hidden, its Dispatches 24-36% (the router and shared expert
-    under them). With the batch split (2 x 1 sequence) the two tie at this shape: 718 vs 723 us
-    (BENCHMARKS K18)."""
+    60.9% vs 46.1% hidden; since the exchange lands rows expert-major (BENCHMARKS.md K26) 211 us vs
+    1161 us (0.18x), all collectives 80.0% vs 58.4%. The bar, 0.85x, leaves room for schedule noise
+    of a compiler update and still fails if FarSkip's advantage halves (as first measured). Where
+    the two differed then: regular's forward exchanges ran with 0.5-29 us of compute under 396 us
+    each (its MoE waits for the attention before it); FarSkip's forward Combines 60-100% hidden,
+    its Dispatches 24-36% (the router and shared expert under them). With the batch split (2 x 1
+    sequence) the two tied at this shape: 718 vs 723 us (BENCHMARKS K18)."""
     far, reg = production_reports["farskip"]["totals"], production_reports["regular"]["totals"]
     f_x, r_x = far["by_kind"]["ragged-all-to-all"], reg["by_kind"]["ragged-all-to-all"]
     print(f"OVERLAP production train ragged a2a exposed: farskip {f_x['sim_exposed_us']:.0f} us, regular "
