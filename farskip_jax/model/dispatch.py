@@ -251,9 +251,10 @@ def permute_rows(y_sd: jax.Array, slot_r: jax.Array, inverse_s: jax.Array) -> ja
     is the row r with slot_r[r] == s, or >= R where no row reads slot s. Same values, same
     gradient (bitwise: each row of it is one cotangent row or zero); the gradient is a gather
     through inverse_s where `take_rows` scatters through slot_r. Why: the expert-parallel path
-    regroups every received row by expert and back, forward and backward, over buffers sized for
-    the bound, and a scatter of such a buffer costs more than the gather of the same rows (XLA's
-    fused [196608, 2048] bf16 scatter priced at 456 us on MI300X, the gather at 304 us;
+    moves whole buffers of rows through permutations (the Combine's rows back to their
+    assignments, the node-aware Combine's pairs back to their tokens, the padded exchange's
+    regrouping), and a scatter of such a buffer costs more than the gather of the same rows
+    (XLA's fused [196608, 2048] bf16 scatter priced at 456 us on MI300X, the gather at 304 us;
     BENCHMARKS.md K25)."""
     return take_rows(y_sd, slot_r)
 

@@ -100,9 +100,9 @@ from farskip_jax.model.dispatch import (
     bounded_buffer,
     drop_over_capacity,
     grouped_ffn,
+    permute_rows,
     rows_per_expert,
     sort_by_group,
-    take_rows,
     weighted_sum,
 )
 from farskip_jax.model.moe import RoutedExperts, Routing, SharedFn
@@ -297,7 +297,7 @@ class _NodeState(NamedTuple):
 
     present_nd: jax.Array  # [N, Nn] bool: the token has an expert on node d (False on an overflow)
     inv_p: jax.Array  # [N * Nn] (token, node) pair -> its row in the sorted pairs
-    node_q: jax.Array  # [S1] destination node of each sorted pair row
+    order_q: jax.Array  # [S1] sorted pair row -> its (token, node) pair (token * Nn + node)
     lid_rk: jax.Array  # [R1, K] node-local expert ids of the received rows (En: none)
     w_rk: jax.Array  # [R1, K] their router weights (float32; differentiable)
     inv_a: jax.Array  # [R1 * K] received assignment -> its row in the stage-2 sorted rows
@@ -464,7 +464,7 @@ class _NodeShard:
                 back_rd = _expert_ffn(self.matmul, per_expert, recv2, rg, w_gate, w_up, w_down)
         if self.exe.capacity_factor > 0:  # equal tokens per shard: the mean of means is the global mean
             dropped = jax.lax.pmean(dropped, BATCH_AXES)
-        state = _NodeState(present_nd & ~overflow, pairs.inv_a, node_q, lid_rk, w_rk, srt.inv_a,
+        state = _NodeState(present_nd & ~overflow, pairs.inv_a, pairs.order_a[:s1], lid_rk, w_rk, srt.inv_a,
                            srt.order_a[:s2.rows],
                            counts1[None], starts1[None], counts2[None], overflow.astype(jnp.int32)[None])
         return back_rd, state, dropped, state.overflow
@@ -490,12 +490,16 @@ class _NodeShard:
             valid_a = (st.lid_rk.reshape(-1) < en) & (st.inv_a < s2.rows) & (st.overflow[0] == 0)
             partial_rd = _partial_sums(y_ad, st.w_rk, st.inv_a, st.order_a, valid_a)
             # stage 1: one partial sum per (token, node) back to the source, in its sorted pair order
-            back_qd = stage1.combine(partial_rd, counts1, starts1, node, st.node_q.shape[0],
-                                     st.node_q if self.exchange == "padded" else None, st.lid_rk)
-            # absent pairs read past the end (unique slots): no row, and no gradient scattered to one
+            back_qd = stage1.combine(partial_rd, counts1, starts1, node, st.order_q.shape[0],
+                                     st.order_q % nn if self.exchange == "padded" else None, st.lid_rk)
+            # absent pairs read past the end (unique slots): no row, and no gradient scattered to one.
+            # Present pairs fill the first sorted rows one-to-one, so the gradient is a gather through
+            # the inverse (each sorted row's pair, or past the end where that pair is absent).
             s1 = back_qd.shape[0]
-            slot_p = jnp.where(st.present_nd.reshape(-1), st.inv_p, s1 + jnp.arange(n * nn, dtype=jnp.int32))
-            parts = take_rows(back_qd, slot_p).reshape(n, nn, -1)
+            present_p = st.present_nd.reshape(-1)
+            slot_p = jnp.where(present_p, st.inv_p, s1 + jnp.arange(n * nn, dtype=jnp.int32))
+            inverse_q = jnp.where(present_p[st.order_q], st.order_q, n * nn + jnp.arange(s1, dtype=jnp.int32))
+            parts = permute_rows(back_qd, slot_p, inverse_q).reshape(n, nn, -1)
             parts = jnp.where(st.present_nd[..., None], parts, 0).astype(jnp.float32)
             return jnp.sum(parts, axis=1).astype(back_rd.dtype)
 
