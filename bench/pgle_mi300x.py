@@ -30,6 +30,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -78,7 +79,7 @@ def row(variant: str, mode: str, art: Any, target: str) -> dict[str, Any]:
             "compile_s": art.compile_seconds}
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+def run(args: argparse.Namespace, profile_dir: Path) -> list[dict[str, Any]]:
     if args.target == "mi300x":
         # the ROCm plugin must find its stand-ins before JAX discovers plugins
         from farskip_jax.xla import rocm_standins
@@ -104,7 +105,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             opts = {} if limit is None else {OVERLAP_OPTION: limit}
             t0 = time.perf_counter()
             if any(VARIANTS[v][2] for v in names):
-                res = pgle.compile_with_synthetic_pgle(fn, *specs, target=args.target, compiler_options=opts)
+                res = pgle.compile_with_synthetic_pgle(fn, *specs, target=args.target, compiler_options=opts,
+                                                       profile_dir=profile_dir / f"{mode}_{limit}")
                 by_pgle = {False: res.baseline, True: res.artifacts}
                 extra = f", profile {res.num_costs} costs, accuracy checker: {res.checker}"
             else:
@@ -148,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override (repeatable)")
     p.add_argument("--json", type=Path, help="also write the rows here")
+    p.add_argument("--profile-dir", type=Path,
+                   help="keep the synthetic PGLE profiles here (default: a temporary folder, removed)")
     args = p.parse_args(argv)
     if bad := set(args.variants.split(",")) - set(VARIANTS):
         p.error(f"unknown variants {sorted(bad)}")
@@ -156,7 +160,11 @@ def main(argv: list[str] | None = None) -> int:
           f"1 x {args.seq_len} tokens per device, commit {commit}", flush=True)
     print(HEADER, flush=True)
     t0 = time.perf_counter()
-    rows = run(args)
+    if args.profile_dir is not None:
+        rows = run(args, args.profile_dir)
+    else:
+        with tempfile.TemporaryDirectory(prefix="farskip_pgle_") as tmp:
+            rows = run(args, Path(tmp))
     print(f"\n{HEADER}")
     for r in sorted(rows, key=lambda r: (r["connectivity"] != "farskip", r["variant"])):
         print(_fmt_row(r))

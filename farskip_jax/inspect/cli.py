@@ -100,7 +100,7 @@ def use_pgle(args: argparse.Namespace) -> bool:
 
 
 def _compile(fn: Any, specs: Sequence[Any], args: argparse.Namespace,
-             profile_dir: Path | None = None) -> tuple[Any, dict[str, Any]]:
+             profile_dir: Path) -> tuple[Any, dict[str, Any]]:
     """(compiled artifacts, extra report meta): with PGLE the meta names the profile and how the
     run without it (the baseline, the same compile XLA schedules with its default costs) did."""
     from farskip_jax.xla import aot, pgle

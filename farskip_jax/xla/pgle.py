@@ -194,14 +194,14 @@ def profile_text(costs: dict[str, float], comment: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_profile(hlo_text: str, target: str, directory: str | Path | None = None,
+def write_profile(hlo_text: str, target: str, directory: str | Path,
                   grouped_fill: float = 1.0, declared_rows: bool = True) -> str:
     """Cost ``hlo_text`` (module at scheduler entry) for ``target`` and write
-    ``<directory>/<fingerprint>.pbtxt``; returns that path. ``directory`` defaults to a new
-    temporary directory (kept: the caller passes the file to the next compile)."""
+    ``<directory>/<fingerprint>.pbtxt``; returns that path. The caller owns ``directory`` (the
+    profile is an input of the next compile and worth keeping beside its report)."""
     fingerprint = module_fingerprint(hlo_text)
     costs = profile_costs(hlo_text, target, grouped_fill, declared_rows)
-    d = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix="farskip_pgle_"))
+    d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     name = parse_hlo(hlo_text).name
     comment = (f"synthetic PGLE profile (farskip_jax.xla.pgle), target {target}, module {name}\n"
@@ -246,9 +246,9 @@ class PgleCompile:
     checker: str = "error"  # how XLA's accuracy checker ran on the profile compile
 
 
-def compile_with_synthetic_pgle(jitted_fn: Any, *arg_specs: Any, target: str,
+def compile_with_synthetic_pgle(jitted_fn: Any, *arg_specs: Any, target: str, profile_dir: str | Path,
                                 compiler_options: dict[str, Any] | None = None,
-                                default_options: bool = True, profile_dir: str | Path | None = None,
+                                default_options: bool = True,
                                 dump_lhs_schedule: bool = False,
                                 cost_target: str | None = None, grouped_fill: float = 1.0,
                                 keep_executable: bool = False, declared_rows: bool = True) -> PgleCompile:
@@ -256,7 +256,8 @@ def compile_with_synthetic_pgle(jitted_fn: Any, *arg_specs: Any, target: str,
     baseline), then with a synthetic PGLE profile of it and the strict accuracy checker.
 
     Options are those of ``aot.compile_scheduled_hlo`` (``default_options`` adds the target's flag
-    table; ``compiler_options`` wins). ``cost_target`` names the ``costs.HARDWARE`` entry that prices
+    table; ``compiler_options`` wins). The profile is written to ``profile_dir`` (the caller's: a
+    report's folder, a test's tmp_path). ``cost_target`` names the ``costs.HARDWARE`` entry that prices
     the profile (default: ``target``), ``grouped_fill`` its grouped GEMMs and ``declared_rows`` its
     bounded ragged exchanges (``costs.CostModel``);
     with ``target="local"`` on a real GPU host it must be given

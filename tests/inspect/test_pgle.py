@@ -271,15 +271,15 @@ def test_write_profile_is_named_by_fingerprint(tmp_path: Path) -> None:
 
 def test_compile_refuses_targets_without_a_cost_model() -> None:
     with pytest.raises(ValueError, match="cost_target"):  # local needs the hardware it stands for
-        pgle.compile_with_synthetic_pgle(None, target="local")
+        pgle.compile_with_synthetic_pgle(None, target="local", profile_dir=".")
     with pytest.raises(ValueError, match="tpu"):
-        pgle.compile_with_synthetic_pgle(None, target="tpu")
+        pgle.compile_with_synthetic_pgle(None, target="tpu", profile_dir=".")
 
 
 # ------------------------------------------------------------------ H200 (default suite) -----
 
 @pytest.fixture(scope="module")
-def h200() -> dict[str, Any]:
+def h200(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     if not HAS_CUDA:
         pytest.skip("jax-cuda13-pjrt not installed")
     from farskip_jax.xla import aot
@@ -288,7 +288,8 @@ def h200() -> dict[str, Any]:
     out = {}
     for mode in ("farskip", "regular"):
         fn, specs = moe_step(mesh, mode)
-        res = pgle.compile_with_synthetic_pgle(fn, *specs, target="h200")
+        res = pgle.compile_with_synthetic_pgle(fn, *specs, target="h200",
+                                               profile_dir=tmp_path_factory.mktemp(f"pgle_{mode}"))
         out[mode] = {"fn": fn, "specs": specs, "res": res, "summary": summarize(res, "h200")}
     return out
 
@@ -356,7 +357,8 @@ def test_h200_profile_survives_rematerialization(h200: dict[str, Any], tmp_path:
     first, so a complete profile is applied at WARN level and an incomplete one still fails."""
     fn, specs = h200["farskip"]["fn"], h200["farskip"]["specs"]
     tight = {"xla_gpu_memory_limit_slop_factor": 0}
-    res = pgle.compile_with_synthetic_pgle(fn, *specs, target="h200", compiler_options=tight)
+    res = pgle.compile_with_synthetic_pgle(fn, *specs, target="h200", profile_dir=tmp_path / "prof",
+                                           compiler_options=tight)
     assert res.checker.startswith("error before scheduling; warn")
     opts = res.artifacts.compiler_options
     assert opts["xla_gpu_pgle_accuracy_checker"] == "PGLE_STRICTNESS_LEVEL_WARN"
@@ -383,7 +385,8 @@ mesh = aot.make_target_mesh("mi300x", {"x": 8})
 out = {}
 for mode in ("farskip", "regular"):
     fn, specs = t.moe_step(mesh, mode)
-    res = pgle.compile_with_synthetic_pgle(fn, *specs, target="mi300x")
+    res = pgle.compile_with_synthetic_pgle(fn, *specs, target="mi300x",
+                                           profile_dir=Path(sys.argv[1]) / f"pgle_{mode}")
     out[mode] = t.summarize(res, "mi300x")
     if mode == "farskip":
         out["negative"] = t.negative_controls(fn, specs, "mi300x", res, Path(sys.argv[1]))
