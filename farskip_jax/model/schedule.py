@@ -12,9 +12,10 @@ Two kinds of dependency:
   latency-hiding scheduler receives, the consumers of its outputs wait for all of its inputs (XLA
   removes the barrier after scheduling: the final HLO no longer shows the edge). The TP psum
   order, the TP token chunks and FCSD's teacher/student lockstep were measured with it.
-* `after_by_data`, `fresh_zeros`: a real data dependency, one tiny op each, which holds through
-  every pass, not only at the scheduler's entry: the expert-parallel Combine waiting for the shared
-  experts, and buffers that must be neither merged nor hoisted.
+* `fresh_zeros`, `scratch_rows`: a buffer made from data, a real data dependency that holds
+  through every pass, not only at the scheduler's entry: buffers that must be neither merged nor
+  hoisted, and the expert-parallel Combine waiting for the shared experts (its output buffer,
+  whose zeros nobody reads, is allocated from their output).
 
 Layering: this module imports only JAX. The model (`farskip.py`, `transformer.py`, `dispatch.py`)
 and the expert-parallel dispatcher (`farskip_jax.parallel.expert`) use it, so it sits below both.
@@ -48,18 +49,6 @@ def after(value: Any, dep: Any) -> Any:
     return join(value, dep)[0]
 
 
-def after_by_data(buffer_rd: jax.Array, dep_nd: jax.Array) -> jax.Array:
-    """`buffer_rd` [R, D] with its first row replaced by `dep_nd`'s first row (cast to its dtype).
-
-    Contract: anything reading the result (an exchange that fills it in place) starts only once
-    `dep_nd` exists, whatever XLA does with barriers. The caller guarantees that row 0 of the result
-    is overwritten before it is read, or never read: the values it produces do not depend on `dep`.
-    Use: the ragged Combine's output buffer (`parallel.expert`), so that the shared experts run
-    under the Dispatch and the Combine is left to the next layer's attention (FarSkip).
-    """
-    return buffer_rd.at[:1].set(dep_nd[:1].astype(buffer_rd.dtype))
-
-
 def fresh_zeros(rows: int, like: jax.Array, dep: jax.Array) -> jax.Array:
     """A zero [rows, D] buffer (D and dtype of `like`) that XLA computes where it is used.
 
@@ -73,3 +62,42 @@ def fresh_zeros(rows: int, like: jax.Array, dep: jax.Array) -> jax.Array:
     """
     zero = jnp.where(jnp.ravel(dep)[0] < 0, 1, 0).astype(like.dtype)
     return jnp.broadcast_to(zero, (rows, like.shape[-1]))
+
+
+def scratch_rows(rows: int, like: jax.Array, dep: jax.Array) -> jax.Array:
+    """An [rows, D] buffer (D and dtype of `like`) for an op that fills some of its rows in place
+    (a ragged exchange), where no row left unwritten is ever read into a result: uninitialised on
+    GPUs (XLA's AllocateBuffer custom call: no kernel runs), zeros on XLA:CPU.
+
+    The allocation reads `dep`'s first element, so the buffer exists only once `dep` does (any
+    array; an integer one is never negative at [0]): XLA allocates it where it is used, and
+    whatever fills it starts only after `dep` (the Combine waits so for the shared experts;
+    tests/model/test_schedule.py, tests/parallel/test_dependencies.py). `jax.lax.empty` takes no
+    operand, and XLA's scheduler put every such buffer of a step at its start, all alive together
+    (8 H200: +10 to +35 GiB per device; BENCHMARKS.md K27). Inside shard_map the buffer varies
+    over the axes `dep` varies over (a ragged exchange's result is typed like its output buffer;
+    an invariant one would make JAX psum its cotangent).
+
+    Contract: the caller's unwritten rows are never read; tests fill them with NaN
+    (tests/parallel/test_dropless_ep.py, tests/model/test_grouped_matmul.py). Why: zeroing these
+    buffers was 15.8 ms of the est. 431 ms of serial compute of the FCSD step on 8 MI300X (K27)."""
+    first = jnp.ravel(dep)[0]
+    # A flag XLA cannot fold to a constant (it folds abs(x) < 0): an integer `dep` is never
+    # negative at [0]; a float one is NaN there only if the step already is. Its value is unused.
+    flag = (first < 0) if jnp.issubdtype(first.dtype, jnp.integer) else (first != first)
+    first = flag.astype(jnp.int32)
+    mat = jax.typeof(first).manual_axis_type
+    axes = tuple(sorted(mat.varying)) if mat is not None else ()
+    shape = (rows, like.shape[-1])
+
+    def allocate(first: jax.Array) -> jax.Array:
+        # the custom call `jax.lax.empty` lowers to on GPUs (same target and API version), plus
+        # the operand
+        out = jax.ffi.ffi_call("AllocateBuffer", jax.ShapeDtypeStruct(shape, like.dtype),
+                               custom_call_api_version=1)(first)
+        return jax.lax.pcast(out, axes, to="varying") if axes else out
+
+    def zeros(first: jax.Array) -> jax.Array:
+        return jnp.broadcast_to(first.astype(like.dtype) * 0, shape)
+
+    return jax.lax.platform_dependent(first, cpu=zeros, default=allocate)

@@ -172,7 +172,7 @@ class ExpertParallel:
         Left alone, XLA's scheduler puts every independent op under the Combine: on the 4-layer
         DSV2-Lite H200 step the forward Dispatch had 60 us of compute under a 200 us transfer and
         the Combine 738 us. The wait is a data dependency (`_EPShard.combine`,
-        `model.schedule.after_by_data`; tests/parallel/test_dependencies.py checks it). Under
+        `model.schedule.scratch_rows`; tests/parallel/test_dependencies.py checks it). Under
         FarSkip the attention, which reads neither, is left to hide the Combine.
 
         `moe_overflow` is [shards] int32 (1 where the shard's expert group overflowed its bounded
@@ -345,11 +345,14 @@ class _Route(NamedTuple):
     axis indices; None: the whole axis). `balanced_rows`: the rows it moves per device under
     balanced routing, declared to the inspector's link model (`xla.links.BALANCED_ROWS_ATTR`) where
     neither its send nor its receive buffer is exact (parallel/node_aware.py); None: the send buffer
-    holds exactly the rows sent."""
+    holds exactly the rows sent. `unsent_ct_unread`: nothing reads the cotangent of the rows of x
+    that the exchange does not send (the Combine's: rows past the experts' groups), so the backward
+    exchange lands in `schedule.scratch_rows` instead of zeros."""
 
     axis: str
     groups: Groups = None
     balanced_rows: int | None = None
+    unsent_ct_unread: bool = False
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -357,8 +360,9 @@ def _ragged_move(route: _Route, x: jax.Array, out: jax.Array, plan: _Plan) -> ja
     """`plan`'s exchange (over `route`) of the rows of x into the buffer `out` (ragged_all_to_all);
     plan's arrays have one entry per peer.
 
-    Rows of `out` that nothing lands in keep their value and get no gradient: callers pass zeros,
-    or (the Combine) a buffer whose unwritten rows never reach the result.
+    Rows of `out` that nothing lands in keep their value and get no gradient: callers pass zeros
+    where those rows are read, else `schedule.scratch_rows` (uninitialised on GPUs): the receive
+    buffer's rows past the experts' groups, the Combine's dropped rows.
 
     Why a custom VJP: JAX's transpose of ragged_all_to_all learns the peers' offsets with two
     extra all_to_alls per exchange (a sync point each in the backward, in XLA's one collective
@@ -384,9 +388,11 @@ def _ragged_move_fwd(route: _Route, x: jax.Array, out: jax.Array, plan: _Plan
 def _ragged_move_bwd(route: _Route, res: tuple[_Plan, jax.Array], ct: jax.Array
                      ) -> tuple[jax.Array, None, None]:
     plan, x_rows = res
-    # Rows of x that were not sent get a zero cotangent: nothing lands there in the transpose.
-    zeros = schedule.fresh_zeros(x_rows.shape[0], ct, plan.send)
-    return _ragged_move(route, ct, zeros, plan.transposed()), None, None
+    # Rows of x that were not sent get a zero cotangent (nothing lands there in the transpose), or
+    # none at all where nothing reads it.
+    fill = schedule.scratch_rows if route.unsent_ct_unread else schedule.fresh_zeros
+    out = fill(x_rows.shape[0], ct, plan.send)
+    return _ragged_move(route, ct, out, plan.transposed()), None, None
 
 
 _ragged_move.defvjp(_ragged_move_fwd, _ragged_move_bwd)
@@ -502,7 +508,7 @@ class _EPShard:
             plan, starts_l = self._plan(srt)
             with jax.named_scope("dispatch"):
                 recv_rd = _ragged_move(_Route("expert", self._blocks_of_axis), x_nd[srt.order_a // k],
-                                       schedule.fresh_zeros(rows, x_nd, srt.ids_a), plan)
+                                       schedule.scratch_rows(rows, x_nd, srt.ids_a), plan)
                 recv_rd = checkpoint_name(recv_rd, A2A_DISPATCH)
             with jax.named_scope("experts"):  # the receive buffer is expert-major already
                 back_rd = grouped_ffn(recv_rd, starts_l, w_gate, w_up, w_down, self.matmul, per_expert)
@@ -529,9 +535,8 @@ class _EPShard:
         """Combine the experts' rows back to their sources, then the router-weighted sum: [N, D].
 
         The ragged Combine starts only once `after_nd` (the shared experts' output) exists: its
-        output buffer holds after_nd's first row in its first row. That row is overwritten by the
-        first sorted assignment, or, with every assignment dropped, stays there unread (dropped
-        rows are selected away in `weighted_sum`), so the result does not depend on it.
+        output buffer is allocated from it (`schedule.scratch_rows`). Rows nothing lands in
+        (dropped assignments) are selected away in `weighted_sum`.
         """
         n, k = weights_nk.shape
         groups, local, e = self.groups, self.local, self.cfg.n_routed_experts
@@ -540,8 +545,11 @@ class _EPShard:
         with jax.named_scope("combine"):
             if self.exchange == "ragged":
                 # Rows come back in this rank's sorted order: [N*K, D]; dropped ones stay unwritten.
-                out = schedule.after_by_data(schedule.fresh_zeros(n * k, back_rd, srt.inv_a), after_nd)
-                out_rd = _ragged_move(_Route("expert", self._blocks_of_axis), back_rd, out,
+                # allocated once the shared experts' output exists: the Combine waits for them
+                out = schedule.scratch_rows(n * k, back_rd, after_nd)
+                # back_rd's rows past the experts' groups are not sent; their cotangent is not read
+                route = _Route("expert", self._blocks_of_axis, unsent_ct_unread=True)
+                out_rd = _ragged_move(route, back_rd, out,
                                       self._plan(srt)[0].transposed())
                 out_rd = checkpoint_name(out_rd, A2A_COMBINE)
                 # each assignment's row; inv_a and order_a are inverse permutations of [0, N*K)

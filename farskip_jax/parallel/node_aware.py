@@ -71,9 +71,10 @@ buffers is exact; the inspector charges those under `--moe-load balanced` (xla/l
 
 Schedule contract (as the flat path's): two shard_maps, the shared experts between them; the
 Combine's first exchange (the in-node one) starts only once the shared experts' output exists
-(`schedule.after_by_data` on its ragged output buffer), so the shared experts can hide the
-Dispatch and, under FarSkip, the next layer's attention the Combine. The counts all_gather depends
-only on the routing, so XLA may run it under any compute that does not read the routed output.
+(its ragged output buffer is allocated from their output, `schedule.scratch_rows`), so the shared
+experts can hide the Dispatch and, under FarSkip, the next layer's attention the Combine. The
+counts all_gather depends only on the routing, so XLA may run it under any compute that does not
+read the routed output.
 """
 
 from __future__ import annotations
@@ -249,7 +250,7 @@ class _Stage:
         side = None if side_am is None else side_am.shape[1]
         if self.exchange == "ragged":
             packed = rows_aw if side is None else _pack(rows_aw, side_am)
-            out = schedule.fresh_zeros(self.rows, packed, dep)
+            out = schedule.scratch_rows(self.rows, packed, dep)
             plan = self.plan(counts_sd, starts_sd, me) if plan is None else plan
             recv = _ragged_move(self.route, packed, out, plan)
         else:
@@ -271,12 +272,11 @@ class _Stage:
                 plan: _Plan | None = None) -> jax.Array:
         """The transpose of `dispatch`: the receivers' rows back to the sender's first `rows` sorted
         rows [rows, W] (rows that were not sent hold anything). `dest_a` [rows]: each sorted row's
-        receiver (the padded exchange's only). `after`: the ragged exchange's output buffer waits for
-        it (`schedule.after_by_data`). `plan`: the Dispatch's, as there."""
+        receiver (the padded exchange's only). `after`: the ragged exchange's output buffer is allocated
+        from it, so the exchange waits for it (`schedule.scratch_rows`). `plan`: the Dispatch's, as there."""
         if self.exchange == "ragged":
-            out = schedule.fresh_zeros(rows, back_rw, dep)
-            if after is not None:
-                out = schedule.after_by_data(out, after)
+            # allocated once `after` exists, if given: the exchange waits for it
+            out = schedule.scratch_rows(rows, back_rw, dep if after is None else after)
             plan = self.plan(counts_sd, starts_sd, me) if plan is None else plan
             moved = _ragged_move(self.route, back_rw, out, plan.transposed())
         else:

@@ -276,6 +276,9 @@ def is_grouped_gemm(ins: Instr, mod: HloModule | None = None) -> bool:
 
 
 _IN_PLACE_OPS = ("scatter", "dynamic-update-slice")
+# A fusion, and jaxlib 0.12's async one: `fusion-start` runs the fused computation (on another
+# stream), its `fusion-done` only waits for it.
+_FUSIONS = ("fusion", "fusion-start")
 _SLICES = ("slice", "dynamic-slice")
 
 
@@ -286,19 +289,29 @@ def _through_bitcasts(comp: Computation | None, ins: Instr | None) -> Instr | No
     return ins
 
 
+def is_allocation(ins: Instr) -> bool:
+    """An uninitialised buffer (`jax.lax.empty` on GPUs: XLA's AllocateBuffer custom call): no
+    kernel runs, nothing is read or written."""
+    return ins.opcode == "custom-call" and 'custom_call_target="AllocateBuffer"' in ins.attrs
+
+
 def _updates_in_place(mod: HloModule | None, comp: Computation, ins: Instr) -> str | None:
     """The operand that `ins` updates in place, or None: a scatter or dynamic-update-slice (or a
-    fusion rooted in one) of an entry parameter of the result's shape, i.e. a donated buffer such
-    as a decode step's KV cache, which XLA writes into where it lies."""
-    root = ins.opcode
-    if ins.opcode == "fusion" and mod is not None:
+    fusion rooted in one) of a buffer of the result's shape that XLA writes into where it lies: an
+    entry parameter (a donated buffer such as a decode step's KV cache) or an uninitialised buffer
+    allocated for it (`is_allocation`)."""
+    root, result = ins.opcode, ins.shape
+    if ins.opcode in _FUSIONS and mod is not None:
         called = mod.computations.get(ins.attr("calls") or "")
         root = called.root.opcode if called is not None and called.root is not None else ""
-    if root not in _IN_PLACE_OPS or not comp.is_entry:
+        result = called.root.shape if root else result
+    if root not in _IN_PLACE_OPS:
         return None
     for o in ins.operands:
         src = comp.by_name.get(o)
-        if src is not None and src.opcode == "parameter" and src.shape == ins.shape:
+        if src is None or src.shape != result:
+            continue
+        if (src.opcode == "parameter" and comp.is_entry) or is_allocation(src):
             return o
     return None
 
@@ -388,6 +401,13 @@ def instr_bytes(comp: Computation, ins: Instr, mod: HloModule | None = None, in_
     is not traffic. An in-place update of a donated buffer (`_updates_in_place`) moves only what it
     writes: its other operands, read and written once."""
     in_place = _updates_in_place(mod, comp, ins)
+    sub = (mod.computations.get(ins.attr("calls") or "") if ins.opcode in _FUSIONS and mod is not None
+           else None)
+    if in_place and sub is not None and sub.root is not None and \
+            _through_bitcasts(sub, sub.root).opcode == "dynamic-update-slice":
+        # what the fused computation touches, its buffer updated where it lies (slices of the
+        # other operands read as slices)
+        return _fusion_bytes(mod, comp, ins, sub, in_loop=True)
     if in_place:
         return 2 * sum(shape_bytes(comp.by_name[o].shape) for o in ins.operands
                        if o in comp.by_name and o != in_place)
@@ -396,10 +416,8 @@ def instr_bytes(comp: Computation, ins: Instr, mod: HloModule | None = None, in_
         return 2 * shape_bytes(ins.shape) + sum(operand_bytes[1:])
     if ins.opcode == "dynamic-update-slice" and in_loop and len(operand_bytes) > 1:
         return 2 * operand_bytes[1] + sum(operand_bytes[2:])
-    if ins.opcode == "fusion" and mod is not None:
-        sub = mod.computations.get(ins.attr("calls") or "")
-        if sub is not None and sub.root is not None:
-            return _fusion_bytes(mod, comp, ins, sub, in_loop)
+    if sub is not None and sub.root is not None:
+        return _fusion_bytes(mod, comp, ins, sub, in_loop)
     return _result_bytes(ins) + sum(operand_bytes)
 
 
@@ -435,7 +453,8 @@ class CostModel:
         key = (comp.name, ins.name)
         if key in self._cost:
             return self._cost[key]
-        if ins.opcode in _FREE_OPS or collective_kind(self.mod, ins) is not None:
+        if (ins.opcode in _FREE_OPS or ins.opcode == "fusion-done" or is_allocation(ins)
+                or collective_kind(self.mod, ins) is not None):
             t = 0.0
         elif ins.opcode == "while":
             n = trip_count(ins)

@@ -235,6 +235,21 @@ def test_in_place_update_of_a_donated_buffer_moves_only_its_updates() -> None:
     assert costs.instr_bytes(main, main.by_name["rewritten"], mod) == 2 * 64 * 4096 * 512 * 4 + small
 
 
+def test_an_uninitialised_buffer_costs_nothing_and_is_updated_in_place() -> None:
+    """`schedule.scratch_rows` on a GPU: XLA's AllocateBuffer runs no kernel, and writing the first
+    row of another array into it moves that row only; the same
+    update of a zero-filled buffer is charged the fill and the whole buffer in and out."""
+    mod = hlo_parse.parse_hlo((DATA / "allocated.hlo").read_text())
+    main = mod.computations[mod.entry]
+    an = costs.CostModel(mod, H200)
+    row, buffer = 2048 * 2, 98304 * 2048 * 2
+    assert costs.is_allocation(main.by_name["empty"]) and not costs.is_allocation(main.by_name["zeros"])
+    assert an.op_time_us(main, main.by_name["empty"]) == 0.0
+    assert an.op_time_us(main, main.by_name["zeros"]) > 0.0
+    assert costs.instr_bytes(main, main.by_name["first"], mod) == 2 * row
+    assert costs.instr_bytes(main, main.by_name["first_of_zeros"], mod) == 2 * buffer + row
+
+
 def test_timeline_window_ignores_hoisted_ops_and_the_teacher() -> None:
     """The drawn window covers where layers k, k+1 really run: not a weight cast or iota XLA hoisted
     to the start of the program, nor the teacher's layers interleaved with the student's."""

@@ -163,3 +163,31 @@ def test_tokamax_vjp_types_inside_the_expert_parallel_shard_map():
     np.testing.assert_allclose(lt, lr, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(dwt), np.asarray(dwr), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(dxt), np.asarray(dxr), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("matmul", ["tokamax", "ragged", "blocked"])
+@pytest.mark.parametrize("layout", ["empty_and_long", "past_last_group"])
+def test_rows_past_the_groups_are_never_read(matmul, layout):
+    """The expert-parallel receive buffer's rows past the groups, and the backward Combine's
+    cotangent rows there, are uninitialised on GPUs (`schedule.scratch_rows`): NaN in both gives
+    the groups' outputs, dW and the groups' dx of clean inputs, bit for bit."""
+    sizes, rows = LAYOUTS[layout]
+    x, w, starts, valid = _setup(sizes, rows, seed=6)
+    cot = jnp.asarray(np.random.default_rng(7).standard_normal((rows, w.shape[2])), jnp.float32)
+    sizes_g = jnp.diff(starts)
+    dot = {"tokamax": lambda a, b: tokamax_ragged_dot(a, b, sizes_g, implementation="xla"),
+           "ragged": lambda a, b: jax.lax.ragged_dot(a, b, sizes_g),
+           "blocked": lambda a, b: blocked_matmul(a, b, starts, block=3, head=1)}[matmul]
+
+    def run(x_in, ct):
+        y, vjp = jax.vjp(dot, x_in, w)
+        return (y, *vjp(ct))
+
+    past = ~valid[:, None]
+    y0, dx0, dw0 = jax.jit(run)(x, cot)
+    y1, dx1, dw1 = jax.jit(run)(jnp.where(past, jnp.nan, x), jnp.where(past, jnp.nan, cot))
+    v = np.asarray(valid)
+    assert (~v).any()  # the layout has rows past its groups
+    np.testing.assert_array_equal(np.asarray(y1)[v], np.asarray(y0)[v])
+    np.testing.assert_array_equal(np.asarray(dw1), np.asarray(dw0))
+    np.testing.assert_array_equal(np.asarray(dx1)[v], np.asarray(dx0)[v])

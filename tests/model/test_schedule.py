@@ -5,8 +5,8 @@ unchanged values. The dependency is checked in the def-use graph of the module X
 latency-hiding scheduler receives in a deviceless H200 compile (after XLA:GPU's fusion; XLA
 removes optimization barriers only after scheduling, so the final HLO no longer shows them),
 between two GEMMs that share no data: with the hint the second is downstream of the first,
-without it (the control) it is not, so each test can fail. The production use of `after_by_data`
-(the expert-parallel Combine waits for the shared experts) is checked on a tiny model's EP=8
+without it (the control) it is not, so each test can fail. The production use of `scratch_rows`'s
+dependency (the expert-parallel Combine waits for the shared experts) is checked on a tiny model's EP=8
 forward in tests/parallel/test_dependencies.py.
 """
 
@@ -61,12 +61,12 @@ def _two_gemms(hint):
     return f
 
 
-@pytest.mark.parametrize("hint", ["join", "after", "after_by_data"])
+@pytest.mark.parametrize("hint", ["join", "after", "scratch_rows"])
 def test_hint_orders_the_consumer_after_dep(hint: str) -> None:
     hints = {
         "join": lambda b, dep: schedule.join(b, dep)[0],
         "after": schedule.after,
-        "after_by_data": lambda b, dep: schedule.after_by_data(b, dep),
+        "scratch_rows": lambda b, dep: schedule.scratch_rows(b.shape[0], b, dep),
     }
     shapes = ((512, D), (512, D), (D, D), (D, D))
     assert not _depends(_graph(_two_gemms(None), *shapes), "dep", "use")  # the control
@@ -80,10 +80,9 @@ def test_hints_leave_values_unchanged() -> None:
     np.testing.assert_array_equal(schedule.after(b, dep), b)
     np.testing.assert_array_equal(schedule.join(b, dep)[0], b)
     np.testing.assert_array_equal(schedule.join(b, dep)[1], dep)
-    # after_by_data writes dep's first row into row 0 (the caller overwrites or never reads it)
-    out = schedule.after_by_data(b, dep)
-    np.testing.assert_array_equal(out[1:], b[1:])
-    np.testing.assert_array_equal(out[0], dep[0])
+    # scratch_rows on XLA:CPU: zeros, whatever dep holds (integer or float, NaN included)
+    for d in (dep, jnp.full((3,), jnp.nan), jnp.arange(3, dtype=jnp.int32)):
+        np.testing.assert_array_equal(schedule.scratch_rows(5, b, d), np.zeros((5, 4), np.float32))
 
 
 def test_fresh_zeros_follow_their_data_and_are_not_one_constant() -> None:

@@ -105,6 +105,13 @@ def emulated_ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offs
     return result
 
 
+def nan_scratch_rows(rows: int, like: jax.Array, dep: jax.Array) -> jax.Array:
+    """`schedule.scratch_rows` with every row NaN (on a GPU its rows are whatever memory held): a
+    test swaps it in to show that no row an exchange leaves unwritten reaches a result."""
+    nan = jnp.where(jnp.ravel(dep)[0] < 0, 0.0, jnp.nan).astype(like.dtype)
+    return jnp.broadcast_to(nan, (rows, like.shape[-1]))
+
+
 def count_ops(hlo_text: str, opcode: str) -> int:
     """Instructions of `opcode` (or its async `-start`) in HLO text."""
     pattern = re.compile(rf"^\s*(ROOT )?%\S+ = .*?\s{re.escape(opcode)}(-start)?\(")

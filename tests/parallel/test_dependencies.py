@@ -139,7 +139,8 @@ def test_tp_all_reduce_combiner_merges_the_psums():
 
 
 def test_ep_combine_waits_for_the_shared_experts() -> None:
-    """The production use of `model.schedule.after_by_data`: in every MoE layer of a tiny FarSkip
+    """The Combine's output buffer allocated from the shared experts' output
+    (`model.schedule.scratch_rows`): in every MoE layer of a tiny FarSkip
     model's EP=8 forward (deviceless H200: ragged exchange), the Combine's ragged all-to-all depends
     on the shared experts' output, so they cannot be scheduled under it, while the Dispatch's does
     not (the shared experts are what runs under the Dispatch). The ragged all-to-alls carry no

@@ -38,6 +38,7 @@ from par_common import (
     count_ops,
     emulated_ragged_all_to_all,
     max_abs_err,
+    nan_scratch_rows,
     record,
     run_fast,
     split,
@@ -241,6 +242,47 @@ def test_ragged_exchange_emulated(ckpt, one_device, monkeypatch, per_node):
     assert err_logits <= TOL and err_grads <= TOL
 
 
+@pytest.mark.parametrize("matmul,per_node", [("blocked", 0), ("ragged", 0), ("padded", 0), ("blocked", 4)])
+def test_ragged_exchange_never_reads_unwritten_rows(ckpt, one_device, monkeypatch, matmul, per_node):
+    """The exchanges' output buffers that need no zeros (`schedule.scratch_rows`: uninitialised on
+    GPUs) filled with NaN instead: the step still equals one device, logits and gradients, bounded
+    (overflowing: the void result stays finite) and worst case. The rows past the experts' groups
+    in the receive buffer, the Combine's dropped rows and the backward Combine's cotangent rows
+    past the groups are never read, by any expert matmul that runs here (blocked, XLA's ragged_dot,
+    padded; tokamax's: tests/model/test_grouped_matmul.py), flat or node-aware."""
+    from farskip_jax.model import schedule
+
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
+    uses = []
+    monkeypatch.setattr(schedule, "scratch_rows", lambda *a: uses.append(a[0]) or nan_scratch_rows(*a))
+    model = farskip_jax.from_pretrained(ckpt["dir"], exe=ExecutionConfig(ep_exchange="ragged",
+                                                                         expert_matmul=matmul))
+    graphdef, _ = nnx.split(model, nnx.Param)
+    mesh = make_mesh(MESHES["ep8"])
+    args = (place(ckpt["state"], mesh, "ep"), jax.device_put(ckpt["ids"], batch_sharding(mesh)), ckpt["w"])
+    for bounded in (True, False):
+        par = ExpertParallel(mesh, bounded=bounded, expert_per_node=per_node)
+
+        def forward(s, i, par=par):
+            out = nnx.merge(graphdef, s)(i, parallel=par)
+            return out.logits, out.aux["moe_overflow"]
+
+        uses.clear()
+        lowered = jax.jit(_loss_overflow_fn(forward)).lower(*args)
+        # per MoE layer: the receive buffer, the Combine's output, the backward Combine's output;
+        # node-aware: each stage's receive buffer and Combine output
+        moe_layers = sum(1 for i in range(model.cfg.num_layers) if model.cfg.is_moe_layer(i))
+        assert len(uses) == (3 if per_node == 0 else 4) * moe_layers, len(uses)
+        (_, (logits, overflow)), grads = lowered.compile(FAST)(*args)
+        assert int(overflow) == int(bounded)
+        assert bool(jnp.all(jnp.isfinite(logits)))
+    err_logits, err_grads = max_abs_err(logits, one_device[0]), max_abs_err(grads, one_device[1])
+    case = f"ep8_ragged_nan_scratch_{matmul}" + ("" if per_node == 0 else f"_nodes{8 // per_node}x{per_node}")
+    record("dropless_one_rank", case, "logits", err_logits)
+    record("dropless_one_rank", case, "grads", err_grads)
+    assert err_logits <= TOL and err_grads <= TOL
+
+
 def _abstract(state, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
 
@@ -340,3 +382,16 @@ def test_ragged_exchange_compiles_for_h200():
     moved = re.findall(rf"= bf16\[{recv_rows},[\d,]+\]\S* (gather|scatter)\(", art.hlo_text)
     print(f"PARALLEL_H200_RECEIVE_ROWS {recv_rows} gathers/scatters of them: {len(moved)}")
     assert not moved
+    # The exchanges' buffers whose unwritten rows nobody reads are not zero-filled
+    # (schedule.scratch_rows: XLA's AllocateBuffer): the receive buffer, the Combine's output and the
+    # backward Combine's output. The backward Dispatch's keeps its zeros: rows that were not sent
+    # (dropped assignments) get a zero cotangent. Each allocation reads an operand, so that XLA
+    # cannot place it at the start of the step (an operand-less one it did, all alive together).
+    allocated = re.findall(r"= (bf16\[\d+),\d+\]\S* custom-call\(%[\w.\-]+\), "
+                           r"custom_call_target=\"AllocateBuffer\"", art.hlo_text)
+    fills = re.findall(rf"= bf16\[{recv_rows},\d+\]\S* (?:broadcast|fusion)\([^\n]*", art.hlo_text)
+    zero_fills = [ln for ln in fills if re.search(r'op_name="[^"]*/(dispatch|combine)/[^"]*broadcast', ln)]
+    print(f"PARALLEL_H200_SCRATCH allocated={allocated} zero-filled receive buffers={len(zero_fills)}")
+    assignments = 16 * T * cfg.num_experts_per_tok // 8  # the Combine's output rows per rank
+    assert sorted(allocated) == sorted([f"bf16[{recv_rows}"] * 2 + [f"bf16[{assignments}"])
+    assert not zero_fills
