@@ -188,6 +188,17 @@ def _loss_overflow_fn(forward):
     return jax.value_and_grad(loss, has_aux=True)
 
 
+def _lowered_ep_step(graphdef, mesh, args, bounded: bool, per_node: int):
+    """The EP loss-and-gradient step (logits and overflow as aux) lowered for `args`."""
+    par = ExpertParallel(mesh, bounded=bounded, expert_per_node=per_node)
+
+    def forward(s, i):
+        out = nnx.merge(graphdef, s)(i, parallel=par)
+        return out.logits, out.aux["moe_overflow"]
+
+    return jax.jit(_loss_overflow_fn(forward)).lower(*args)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_bounded_overflows_and_worst_case_matches_one_device_and_hf(ckpt, one_device, case):
     """The fallback the trainer takes: the bounded program says it overflowed, the worst-case
@@ -225,13 +236,7 @@ def test_ragged_exchange_emulated(ckpt, one_device, monkeypatch, per_node):
     assert resolve_exchange(model.exe.ep_exchange, mesh) == "ragged"
     args = (place(ckpt["state"], mesh, "ep"), jax.device_put(ckpt["ids"], batch_sharding(mesh)), ckpt["w"])
     for bounded in (True, False):
-        par = ExpertParallel(mesh, bounded=bounded, expert_per_node=per_node)
-
-        def forward(s, i, par=par):
-            out = nnx.merge(graphdef, s)(i, parallel=par)
-            return out.logits, out.aux["moe_overflow"]
-
-        lowered = jax.jit(_loss_overflow_fn(forward)).lower(*args)
+        lowered = _lowered_ep_step(graphdef, mesh, args, bounded, per_node)
         assert "ragged_all_to_all" not in lowered.as_text()  # the emulation ran, not the real op
         (_, (logits, overflow)), grads = lowered.compile(FAST)(*args)
         assert int(overflow) == int(bounded)
@@ -261,14 +266,8 @@ def test_ragged_exchange_never_reads_unwritten_rows(ckpt, one_device, monkeypatc
     mesh = make_mesh(MESHES["ep8"])
     args = (place(ckpt["state"], mesh, "ep"), jax.device_put(ckpt["ids"], batch_sharding(mesh)), ckpt["w"])
     for bounded in (True, False):
-        par = ExpertParallel(mesh, bounded=bounded, expert_per_node=per_node)
-
-        def forward(s, i, par=par):
-            out = nnx.merge(graphdef, s)(i, parallel=par)
-            return out.logits, out.aux["moe_overflow"]
-
         uses.clear()
-        lowered = jax.jit(_loss_overflow_fn(forward)).lower(*args)
+        lowered = _lowered_ep_step(graphdef, mesh, args, bounded, per_node)
         # per MoE layer: the receive buffer, the Combine's output, the backward Combine's output;
         # node-aware: each stage's receive buffer and Combine output
         moe_layers = sum(1 for i in range(model.cfg.num_layers) if model.cfg.is_moe_layer(i))
