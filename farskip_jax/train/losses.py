@@ -16,11 +16,12 @@ Conventions shared by every loss here:
   un-normalised sum), so a trainer can re-normalise across micro-batches or devices.
 
 The ``chunked_*`` variants take final hidden states ``[..., d]`` and LM-head matrices ``[d, vocab]``
-instead of logits. They scan over chunks of the sequence axis (``farskip_jax.train.chunking``) with a
-rematerialised body, so neither the forward nor the backward pass ever holds more than
-``[rows, chunk, vocab]`` logits per model: at vocab 102400 a 4096-token sequence would otherwise need
-1.6 GiB of fp32 logits per model, plus as much for gradients. Logits come from ``chunking.lm_logits``
-(the compute dtype of the hidden states, fp32 accumulation) for the student and the teacher alike.
+instead of logits. They scan over chunks of the sequence axis (``farskip_jax.train.chunking``), taking
+each chunk's gradient in the forward pass right after its value, so no pass ever holds more than
+``[rows, chunk, vocab]`` logits per model and none rebuilds them: at vocab 102400 a 4096-token
+sequence would otherwise need 1.6 GiB of fp32 logits per model, plus as much for gradients. Logits
+come from ``chunking.lm_logits`` (the compute dtype of the hidden states, fp32 accumulation) for the
+student and the teacher alike.
 ``mesh``: the batch is split over its batch axes; each device then sums the loss of its own rows and
 the LM head's gradient crosses the devices once per call (``chunking.chunked_sum``).
 """
@@ -136,7 +137,7 @@ def chunked_forward_kl(
         return jnp.sum(kl * mc)
 
     kl_sum = chunked_sum(body, (teacher_head, student_head), (teacher_hidden, student_hidden, m), chunk_size,
-                         m.ndim, mesh, student_hidden.dtype)
+                         m.ndim, mesh, student_hidden.dtype, wrt_weights=(1,), wrt_tokens=(1,))
     return _kl_result(kl_sum, jnp.sum(m), temperature, normalizer)
 
 
@@ -235,7 +236,7 @@ def chunked_topk_kl(
         return jnp.sum(kl * mc)
 
     kl_sum = chunked_sum(kl_body, (student_head,), (t_logp, t_ids, student_hidden, m), chunk_size, m.ndim,
-                         mesh, student_hidden.dtype)
+                         mesh, student_hidden.dtype, wrt_weights=(0,), wrt_tokens=(2,))
     # The covered mass depends only on the teacher, so it needs no chunking.
     mass_sum = jnp.sum(jnp.sum(jnp.exp(t_logp), axis=-1) * m)
     return _topk_result(kl_sum, mass_sum, jnp.sum(m), temperature, normalizer)
@@ -290,7 +291,8 @@ def chunked_cross_entropy(
     def body(heads: tuple[Array], h: Array, t: Array, mc: Array) -> Array:
         return jnp.sum(_token_ce(lm_logits(h, heads[0]), t) * mc)
 
-    ce_sum = chunked_sum(body, (head,), (hidden, tg, m), chunk_size, m.ndim, mesh, hidden.dtype)
+    ce_sum = chunked_sum(body, (head,), (hidden, tg, m), chunk_size, m.ndim, mesh, hidden.dtype,
+                         wrt_weights=(0,), wrt_tokens=(0,))
     return _ce_result(ce_sum, jnp.sum(m), normalizer)
 
 

@@ -1,6 +1,7 @@
 """Losses against independent references (torch / numpy), chunked vs unchunked, top-k vs full."""
 
 import inspect
+import re
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +82,33 @@ def test_chunked_kl_value_and_grad_match_unchunked(chunk):
     for a, b in zip(g_chk, g_full, strict=True):
         err = float(jnp.max(jnp.abs(a - b)))
         assert err <= 1e-6 * max(1.0, float(jnp.max(jnp.abs(b)))), err
+
+
+def _dot_results(hlo: str) -> list[tuple[int, ...]]:
+    return [tuple(int(d) for d in m.group(1).split(",") if d)
+            for m in re.finditer(r"= \w+\[([\d,]*)\]\{[\d,]*\} dot\(", hlo)]
+
+
+def test_chunked_kl_gradient_computes_each_chunks_logits_once():
+    """The compiled value and gradient of the chunked KL, as the trainer takes it (the teacher
+    frozen): per chunk one dot for the student's logits, one for the teacher's, one for the
+    hidden states' gradient and one for the head's; nothing rebuilds the logits for the backward
+    (with `jax.checkpoint` on the chunk body both were computed twice: 4 logits dots)."""
+    th, tw, sh, sw, mask = _data(4)
+    chunk = 8
+
+    def chunked(sh_, sw_):
+        return _losses.chunked_forward_kl(th, tw, sh_, sw_, mask, temperature=1.5, chunk_size=chunk)[0]
+
+    hlo = jax.jit(jax.value_and_grad(chunked, argnums=(0, 1))).lower(sh, sw).compile().as_text()
+    shapes = _dot_results(hlo)
+    logits = [s for s in shapes if s[-1] == VOCAB and s != (D, VOCAB)]
+    print("dot results:", shapes)
+    assert len(logits) == 2, shapes
+    assert shapes.count((D, VOCAB)) == 1 and len(shapes) == 4, shapes
+    # Evaluation (no gradient) computes the two logits only.
+    plain = jax.jit(chunked).lower(sh, sw).compile().as_text()
+    assert len(_dot_results(plain)) == 2
 
 
 def test_teacher_gets_no_gradient():
