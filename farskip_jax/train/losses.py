@@ -287,9 +287,29 @@ def ce_mask(mode: Literal["sft", "lm"], loss_mask: Array, segment_ids: Array) ->
     raise ValueError(f"mode must be one of 'sft', 'lm'; got {mode!r}")
 
 
+@jax.custom_vjp
 def _token_ce(logits: Array, targets: Array) -> Array:
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    """Per-token -log softmax(logits)[target], in fp32. Gradient: softmax - one_hot(target) in one
+    pass over the logits (`_token_ce_bwd`; autodiff scattered the target into a zero-filled
+    [tokens, vocab] array and made two more passes), computed as `_token_kl_bwd` does."""
+    return _token_ce_fwd(logits, targets)[0]
+
+
+def _token_ce_fwd(logits: Array, targets: Array) -> tuple[Array, tuple[Array, ...]]:
+    x = logits.astype(jnp.float32)
+    m, z = _shift_and_norm(x)
+    target_logit = jnp.take_along_axis(x, targets[..., None].astype(jnp.int32), axis=-1)
+    return (m + jnp.log(z) - target_logit)[..., 0], (logits, targets, m, z)
+
+
+def _token_ce_bwd(residuals: tuple[Array, ...], ct: Array) -> tuple[Array, None]:
+    logits, targets, m, z = residuals
+    q = jnp.exp(logits.astype(jnp.float32) - m) / z
+    is_target = jnp.arange(logits.shape[-1], dtype=jnp.int32) == targets[..., None].astype(jnp.int32)
+    return (ct[..., None] * (q - is_target)).astype(logits.dtype), None
+
+
+_token_ce.defvjp(_token_ce_fwd, _token_ce_bwd)
 
 
 def _ce_result(ce_sum: Array, num_tokens: Array, normalizer: float | Array | None) -> tuple[Array, Metrics]:

@@ -202,6 +202,14 @@ def test_cross_entropy_matches_torch_and_chunked():
     )
     assert abs(float(loss_c) - float(loss)) <= 1e-6 * max(1.0, ref)
     assert float(jnp.max(jnp.abs(g_full - g_chk))) <= 1e-6
+    # The logits' gradient (softmax - one hot, `_token_ce`'s own VJP) against torch's autograd.
+    s64 = torch.tensor(sl, dtype=torch.float64, requires_grad=True)
+    per_tok = torch.nn.functional.cross_entropy(s64, torch.tensor(targets, dtype=torch.long),
+                                              reduction="none")
+    ((per_tok * torch.tensor(mask)).sum() / mask.sum()).backward()
+    got = jax.jit(jax.grad(lambda s: _losses.cross_entropy(s, targets, mask)[0]))(jnp.asarray(sl))
+    scale = float(np.max(np.abs(s64.grad.numpy())))
+    assert float(np.max(np.abs(np.asarray(got, np.float64) - s64.grad.numpy()))) <= 1e-6 * scale
 
 
 def test_ce_mask_modes():
