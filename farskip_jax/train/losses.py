@@ -72,8 +72,16 @@ def _token_kl(t_logits: Array, s_logits: Array, temperature: float) -> Array:
 def _shift_and_norm(x: Array) -> tuple[Array, Array]:
     """(m, z) with softmax(x) = exp(x - m) / z over the last axis (keepdims): m the finite max."""
     m = jnp.max(x, axis=-1, keepdims=True)
-    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
     return m, jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True)
+
+
+def _softmax(x: Array, m: Array, z: Array) -> Array:
+    """softmax(x) from `_shift_and_norm`'s (m, z), as the custom VJPs below take it: exp(x - m) / z
+    rather than exp(x - lse), whose rounding of lse (~1 ulp of m + log z) would be a relative error
+    of every probability (1.2e-6 of the largest KL gradient off float64, against 1.0-3.3e-7 this
+    way: tests/train/test_losses.py)."""
+    return jnp.exp(x - m) / z
 
 
 def _token_kl_fwd(t_logits: Array, s_logits: Array, temperature: float) -> tuple[Array, tuple[Array, ...]]:
@@ -86,12 +94,9 @@ def _token_kl_fwd(t_logits: Array, s_logits: Array, temperature: float) -> tuple
 
 
 def _token_kl_bwd(temperature: float, residuals: tuple[Array, ...], ct: Array) -> tuple[None, Array]:
-    # exp(x - m) / z rather than exp(x - lse): the rounding of lse (~1 ulp of m + log z) would be a
-    # relative error of every probability (1.2e-6 of the largest gradient off float64, against
-    # 1.0-3.3e-7 this way: tests/train/test_losses.py).
     t_logits, s_logits, t_m, t_z, s_m, s_z = residuals
-    p = jnp.exp(t_logits.astype(jnp.float32) / temperature - t_m) / t_z
-    q = jnp.exp(s_logits.astype(jnp.float32) / temperature - s_m) / s_z
+    p = _softmax(t_logits.astype(jnp.float32) / temperature, t_m, t_z)
+    q = _softmax(s_logits.astype(jnp.float32) / temperature, s_m, s_z)
     return None, ((ct[..., None] / temperature) * (q - p)).astype(s_logits.dtype)
 
 
@@ -291,7 +296,7 @@ def ce_mask(mode: Literal["sft", "lm"], loss_mask: Array, segment_ids: Array) ->
 def _token_ce(logits: Array, targets: Array) -> Array:
     """Per-token -log softmax(logits)[target], in fp32. Gradient: softmax - one_hot(target) in one
     pass over the logits (`_token_ce_bwd`; autodiff scattered the target into a zero-filled
-    [tokens, vocab] array and made two more passes), computed as `_token_kl_bwd` does."""
+    [tokens, vocab] array and made two more passes)."""
     return _token_ce_fwd(logits, targets)[0]
 
 
@@ -304,7 +309,7 @@ def _token_ce_fwd(logits: Array, targets: Array) -> tuple[Array, tuple[Array, ..
 
 def _token_ce_bwd(residuals: tuple[Array, ...], ct: Array) -> tuple[Array, None]:
     logits, targets, m, z = residuals
-    q = jnp.exp(logits.astype(jnp.float32) - m) / z
+    q = _softmax(logits.astype(jnp.float32), m, z)
     is_target = jnp.arange(logits.shape[-1], dtype=jnp.int32) == targets[..., None].astype(jnp.int32)
     return (ct[..., None] * (q - is_target)).astype(logits.dtype), None
 
