@@ -35,6 +35,11 @@ if (PACKAGE / "xla" / "costs.py").exists():
 else:  # a checkout from before b8a67e7's successors moved the cost model to xla/ (49faefc)
     HARDWARE, CostModel, parse_hlo = hlo.HARDWARE, hlo._Analyzer, hlo.parse_hlo
     HloModule = Instr = Any
+try:
+    from farskip_jax.xla.costs import is_row_kernel
+except ImportError:  # a checkout from before the experts' activation kernel (K29)
+    def is_row_kernel(ins: Any) -> bool:
+        return False
 
 _MARKED = ("dot", "custom-call", "dynamic-slice", "dynamic-update-slice", "scatter", "gather", "reduce",
            "sort")
@@ -42,6 +47,8 @@ _MARKED = ("dot", "custom-call", "dynamic-slice", "dynamic-update-slice", "scatt
 
 def category(mod: HloModule, ins: Instr) -> str:  # type: ignore[valid-type]
     """opcode; custom calls by target; fusions by kind and which notable ops they contain."""
+    if is_row_kernel(ins):
+        return "custom-call swiglu_rows (Triton, rows in use)"
     if ins.opcode == "custom-call":
         m = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
         return f"custom-call {m.group(1) if m else '?'}"
@@ -57,6 +64,8 @@ def coarse(cat: str) -> str:
     """A category's group in BENCHMARKS.md K25's table: kernels, dense matmuls, data movement."""
     if "groupedMatmul" in cat or "mosaic_gpu" in cat:
         return "kernels: grouped GEMMs (MI300X hipBLASLt; H200 tokamax Mosaic, attention too)"
+    if "swiglu_rows" in cat:
+        return "experts' activation kernel (Triton, rows in use)"
     if "triton" in cat:
         return "attention kernel (Triton)"
     if "matmul" in cat or "[dot]" in cat:

@@ -56,6 +56,12 @@ class ExecutionConfig:
     # einsum, blocks of real rows in a loop (model/grouped_matmul.py), or auto = ragged on ROCm,
     # tokamax on CUDA, blocked on CPU (model/dispatch.py:resolve_matmul).
     expert_matmul: Literal["auto", "ragged", "tokamax", "padded", "blocked"] = "auto"
+    # The routed experts' activation silu(gate) * up between the ragged / tokamax grouped GEMMs: a
+    # Pallas Triton kernel that skips the buffer's rows past the groups (forward and backward;
+    # Pallas' interpreter on CPU, for tests), XLA's elementwise fusion over every row, or auto = the
+    # kernel on Hopper and MI300X, xla elsewhere. The blocked and padded grouped matmuls always get
+    # xla (model/swiglu_rows.py).
+    expert_swiglu: Literal["auto", "pallas_triton", "xla"] = "auto"
     # Expert-parallel token exchange: ragged_all_to_all (GPU), per-destination buffers with a plain
     # all_to_all (works everywhere, XLA:CPU included), or auto = ragged on GPU meshes, padded elsewhere.
     ep_exchange: Literal["auto", "ragged", "padded"] = "auto"

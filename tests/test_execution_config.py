@@ -30,7 +30,7 @@ from farskip_jax.config import (
 STORED = Path(__file__).parent / "stored_configs" / "dsv2lite_farskip_c447d9a.json"
 MOVED = sorted(ModelConfig.MOVED_KEYS)
 # execution fields added after the split: never `model.<key>`, so nothing to refuse with a new name
-NEW_SINCE_SPLIT = {"remat_hbm_fraction", "remat_budget_gib"}
+NEW_SINCE_SPLIT = {"remat_hbm_fraction", "remat_budget_gib", "expert_swiglu"}
 
 
 def test_moved_keys_are_the_execution_fields():

@@ -129,8 +129,13 @@ def fused_kernel(device: Any, dtype: Any) -> Kernel | None:
             return None
         return "mosaic_gpu" if 9.0 <= major < 10.0 else None
     if family == "rocm":
-        return "pallas_triton" if _rocm_arch(device) == "gfx942" and _triton_ready(device) else None
+        return "pallas_triton" if gfx942_triton_ready(device) else None
     return None
+
+
+def gfx942_triton_ready(device: Any) -> bool:
+    """`device` is a gfx942 (MI300X) whose Pallas Triton lowering can find its architecture."""
+    return _rocm_arch(device) == "gfx942" and _triton_ready(device)
 
 
 def _triton_ready(device: Any) -> bool:

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from farskip_jax.config import ExecutionConfig, ModelConfig
 from farskip_jax.model import schedule
 from farskip_jax.model.grouped_matmul import blocked_matmul, group_of_rows, tokamax_ragged_dot
+from farskip_jax.model.swiglu_rows import SwigluKernel, swiglu_rows
 from farskip_jax.platforms import device_family
 
 ExpertMatmul = Literal["ragged", "tokamax", "padded", "blocked"]
@@ -290,12 +291,14 @@ def padded_ffn(x_rd: jax.Array, slot_r: jax.Array, w_gate: jax.Array, w_up: jax.
 
 
 def grouped_ffn(x_rd: jax.Array, starts_g: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                w_down: jax.Array, matmul: ExpertMatmul, rows_per_group: int) -> jax.Array:
+                w_down: jax.Array, matmul: ExpertMatmul, rows_per_group: int,
+                swiglu: SwigluKernel = "xla") -> jax.Array:
     """SwiGLU silu(x Wg) * (x Wu) Wd of each group's rows with that group's weights: [R, D].
 
     "ragged" / "tokamax": three jax.lax.ragged_dot / tokamax_ragged_dot over the sorted rows (the groups
-    start at row 0: `starts_g[0] == 0`). "blocked": three blocked_matmul
-    (model/grouped_matmul.py, blocks of real rows in a loop; rows past the last group give 0).
+    start at row 0: `starts_g[0] == 0`), the activation between them by `swiglu`
+    (model/swiglu_rows.py: "pallas_triton" computes only the rows in the groups). "blocked": three
+    blocked_matmul (model/grouped_matmul.py, blocks of real rows in a loop; rows past the last group give 0).
     "padded": each row placed at its (group, position in group) of a [G, C, D] buffer (C =
     `rows_per_group`, the most a group can hold), a batched einsum, and the results gathered back
     (`padded_ffn`). The placement is a scatter of the R rows rather than a gather of G*C slots, so
@@ -307,7 +310,7 @@ def grouped_ffn(x_rd: jax.Array, starts_g: jax.Array, w_gate: jax.Array, w_up: j
     if matmul in ("ragged", "tokamax"):
         dot = jax.lax.ragged_dot if matmul == "ragged" else tokamax_ragged_dot
         sizes_g = jnp.diff(starts_g)
-        h = jax.nn.silu(dot(x_rd, wg, sizes_g)) * dot(x_rd, wu, sizes_g)
+        h = swiglu_rows(dot(x_rd, wg, sizes_g), dot(x_rd, wu, sizes_g), starts_g[-1], swiglu)
         return dot(h, wd, sizes_g)
     if matmul == "blocked":
         h = jax.nn.silu(blocked_matmul(x_rd, wg, starts_g)) * blocked_matmul(x_rd, wu, starts_g)
@@ -337,7 +340,8 @@ def weighted_sum(y_nkd: jax.Array, valid_nk: jax.Array, weights_nk: jax.Array) -
 
 def routed_experts(x_nd: jax.Array, ids_nk: jax.Array, weights_nk: jax.Array, w_gate: jax.Array,
                    w_up: jax.Array, w_down: jax.Array, matmul: ExpertMatmul,
-                   rows_per_group: int, rows: int | None = None) -> jax.Array:
+                   rows_per_group: int, rows: int | None = None, swiglu: SwigluKernel = "xla"
+                   ) -> jax.Array:
     """Routed output [N, D] of the assignments to experts 0..G-1 of `w_*`; ids >= G are skipped.
 
     `rows`: compute only the first `rows` expert-sorted rows (the assignments to experts 0..G-1 sort
@@ -351,7 +355,7 @@ def routed_experts(x_nd: jax.Array, ids_nk: jax.Array, weights_nk: jax.Array, w_
     if rows is not None and rows < order_a.shape[0]:
         order_a, starts_g = order_a[:rows], jnp.minimum(starts_g, rows)
         rows_per_group = min(rows_per_group, rows)
-    y_rd = grouped_ffn(x_nd[order_a // k], starts_g, w_gate, w_up, w_down, matmul, rows_per_group)
+    y_rd = grouped_ffn(x_nd[order_a // k], starts_g, w_gate, w_up, w_down, matmul, rows_per_group, swiglu)
     r = order_a.shape[0]
     kept = (ids_nk < num_groups) & (srt.inv_a < r).reshape(n, k)  # rows past `rows` are selected away
     # sorted row s holds assignment order_a[s]: the inverse of inv_a over the rows computed

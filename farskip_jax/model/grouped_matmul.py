@@ -198,10 +198,10 @@ def blocked_matmul(x_rd: jax.Array, w_gdf: jax.Array, starts_g: jax.Array,
     block for the rest. Both set the speed, not the result (each row's products are the same; on
     XLA:CPU the values came out bitwise equal, BENCHMARKS.md A)."""
     block = max(1, min(block, x_rd.shape[0]))
-    return _blocked(*_vary_alike(x_rd, w_gdf, jnp.asarray(starts_g, jnp.int32)), block, max(0, head))
+    return _blocked(*vary_alike(x_rd, w_gdf, jnp.asarray(starts_g, jnp.int32)), block, max(0, head))
 
 
-def _vary_alike(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+def vary_alike(*arrays: jax.Array) -> tuple[jax.Array, ...]:
     """Each array cast to vary over every shard_map axis any of them varies over. Inside a shard_map
     the custom VJP must return dW typed like w: expert weights replicated over the data axis would
     otherwise get a data-varying dW. With the cast, JAX's own transpose of it sums dW over data."""
@@ -242,7 +242,7 @@ def _tokamax(x_md: jax.Array, w_gkn: jax.Array, sizes_g: jax.Array, implementati
     y = tokamax.ragged_dot_general(x_md, w_gkn, sizes_g, _FWD, implementation=implementation)
     # A Pallas kernel's result comes back typed as varying over no shard_map axis; it varies like its
     # rows. The cast is inside the custom VJP, so JAX never transposes it (that would psum cotangents).
-    return _typed_like(y, x_md)
+    return typed_like(y, x_md)
 
 
 def _tokamax_fwd(x_md: jax.Array, w_gkn: jax.Array, sizes_g: jax.Array, implementation: str):
@@ -261,15 +261,15 @@ def _tokamax_bwd(implementation: str, res: tuple[jax.Array, jax.Array, jax.Array
     # leaves there.
     rows = jnp.arange(x_md.shape[0], dtype=jnp.int32)
     dx = jnp.where((rows < jnp.sum(sizes_g))[:, None], dx, 0)
-    return _typed_like(dx, x_md), _typed_like(dw, w_gkn), np.zeros(sizes_g.shape, jax.dtypes.float0)
+    return typed_like(dx, x_md), typed_like(dw, w_gkn), np.zeros(sizes_g.shape, jax.dtypes.float0)
 
 
 _tokamax.defvjp(_tokamax_fwd, _tokamax_bwd)
 
 
-def _typed_like(ct: jax.Array, primal: jax.Array) -> jax.Array:
+def typed_like(ct: jax.Array, primal: jax.Array) -> jax.Array:
     """`ct` varying over exactly the shard_map axes `primal` varies over (a cotangent's type must be
-    its primal's). The arguments were cast alike before the call (`_vary_alike`), so at most a cast up
+    its primal's). The arguments were cast alike before the call (`vary_alike`), so at most a cast up
     is needed."""
     missing = tuple(sorted(_varying_axes(primal) - _varying_axes(ct)))
     return jax.lax.pcast(ct, missing, to="varying") if missing else ct
@@ -281,5 +281,5 @@ def tokamax_ragged_dot(x_md: jax.Array, w_gkn: jax.Array, sizes_g: jax.Array,
     from row 0) hold r; rows past sum(sizes_g) are unspecified (callers never read them) and get no
     gradient. `implementation`: tokamax's ("mosaic" on Hopper; "xla" runs anywhere, which is how the
     CPU tests check this function's VJP and types)."""
-    x_md, w_gkn, sizes_g = _vary_alike(x_md, w_gkn, jnp.asarray(sizes_g, jnp.int32))
+    x_md, w_gkn, sizes_g = vary_alike(x_md, w_gkn, jnp.asarray(sizes_g, jnp.int32))
     return _tokamax(x_md, w_gkn, sizes_g, implementation)

@@ -27,6 +27,7 @@ from jax.experimental.xla_metadata import set_xla_metadata
 from farskip_jax.config import ExecutionConfig, ModelConfig
 from farskip_jax.model.dispatch import drop_over_capacity, resolve_matmul, routed_experts, rows_per_expert
 from farskip_jax.model.layers import DTYPES, MLP, normal_init
+from farskip_jax.model.swiglu_rows import resolve_swiglu
 from farskip_jax.platforms import target_device
 from farskip_jax.xla.costs import EXACT_ROWS_ATTR
 
@@ -141,10 +142,11 @@ def local_routed(x_nd: jax.Array, routing: Routing, experts: RoutedExperts, cfg:
     ids_nk, dropped = drop_over_capacity(routing.experts_nk, routing.weights_nk, routing.seq_len, cfg, exe)
     # every static row of its grouped GEMMs holds an assignment: the inspector prices them in full
     with jax.named_scope("experts"), set_xla_metadata(**{EXACT_ROWS_ATTR: 1}):
+        matmul = resolve_matmul(exe.expert_matmul, target_device(), cfg.dtype)
         routed = routed_experts(x_nd, ids_nk, routing.weights_nk, experts.w_gate[...], experts.w_up[...],
-                                experts.w_down[...],
-                                resolve_matmul(exe.expert_matmul, target_device(), cfg.dtype),
-                                rows_per_expert(x_nd.shape[0], routing.seq_len, cfg, exe))
+                                experts.w_down[...], matmul,
+                                rows_per_expert(x_nd.shape[0], routing.seq_len, cfg, exe),
+                                swiglu=resolve_swiglu(exe.expert_swiglu, target_device(), matmul))
     return routed, {"dropped_fraction": dropped, "moe_overflow": jnp.zeros((), jnp.int32)}
 
 

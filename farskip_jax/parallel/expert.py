@@ -66,6 +66,7 @@ from farskip_jax.model.dispatch import (
     weighted_sum,
 )
 from farskip_jax.model.moe import RoutedExperts, Routing, SharedFn, local_routed
+from farskip_jax.model.swiglu_rows import resolve_swiglu
 from farskip_jax.parallel.mesh import BATCH_AXES, param_specs_tree
 from farskip_jax.platforms import device_family
 from farskip_jax.xla.links import BALANCED_ROWS_ATTR
@@ -186,13 +187,14 @@ class ExpertParallel:
                              f"{groups} expert ranks")
         exchange = resolve_exchange(exe.ep_exchange, self.mesh)
         matmul = resolve_matmul(exe.expert_matmul, self.mesh.devices.flat[0], cfg.dtype)
+        swiglu = resolve_swiglu(exe.expert_swiglu, self.mesh.devices.flat[0], matmul)
         if self.nodes > 1 and not self.experts_in_node:
             from farskip_jax.parallel.node_aware import node_aware_routed  # it builds on this module
 
             return node_aware_routed(self.mesh, self.expert_per_node, cfg, buffer_config(exe, self.bounded),
-                                     exchange, matmul, x_nd, routing, experts, shared_fn)
+                                     exchange, matmul, swiglu, x_nd, routing, experts, shared_fn)
         ep = _EPShard(cfg, buffer_config(exe, self.bounded), groups, routing.seq_len, exchange, matmul,
-                      self.mesh.shape["expert"] if self.experts_in_node else 0)
+                      self.mesh.shape["expert"] if self.experts_in_node else 0, swiglu)
         tokens, expert_spec = P(BATCH_AXES), P("expert", None, None)
         smap = functools.partial(jax.shard_map, mesh=self.mesh)
         w_gld = (experts.w_gate[...], experts.w_up[...], experts.w_down[...])
@@ -272,8 +274,8 @@ def _regroup(recv_counts_gl: jax.Array, block_start_g: jax.Array, rows: int) -> 
     return _Regroup(dst_r, src_r, starts_l, jnp.where(sent_r, expert_r, local).astype(jnp.int32))
 
 
-def _expert_ffn(matmul: str, rows_per_group: int, recv_rd: jax.Array, rg: _Regroup, w_gate: jax.Array,
-                w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+def _expert_ffn(matmul: str, swiglu: str, rows_per_group: int, recv_rd: jax.Array, rg: _Regroup,
+                w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """This rank's experts over the padded exchange's received rows (regrouped by expert and back):
     [G*B, D].
 
@@ -289,7 +291,7 @@ def _expert_ffn(matmul: str, rows_per_group: int, recv_rd: jax.Array, rg: _Regro
         return padded_ffn(recv_rd, slot_r, w_gate, w_up, w_down, rows_per_group)
     # src_r and dst_r are each other's inverse: both regroupings' gradients are gathers
     y_rd = grouped_ffn(permute_rows(recv_rd, rg.src_r, rg.dst_r), rg.starts_l, w_gate, w_up, w_down,
-                       matmul, rows_per_group)  # type: ignore[arg-type]
+                       matmul, rows_per_group, swiglu)  # type: ignore[arg-type]
     return permute_rows(y_rd, rg.dst_r, rg.src_r)
 
 
@@ -427,6 +429,7 @@ class _EPShard:
     # > 0: the expert axis has this many ranks and every exchange runs inside each consecutive block
     # of `groups` of them (a node's: `ExpertParallel.experts_in_node`); 0: over the whole axis
     axis_ranks: int = 0
+    swiglu: str = "xla"  # the activation kernel (model/swiglu_rows.py)
 
     @property
     def local(self) -> int:  # L
@@ -511,7 +514,8 @@ class _EPShard:
                                        schedule.scratch_rows(rows, x_nd, srt.ids_a), plan)
                 recv_rd = checkpoint_name(recv_rd, A2A_DISPATCH)
             with jax.named_scope("experts"):  # the receive buffer is expert-major already
-                back_rd = grouped_ffn(recv_rd, starts_l, w_gate, w_up, w_down, self.matmul, per_expert)
+                back_rd = grouped_ffn(recv_rd, starts_l, w_gate, w_up, w_down, self.matmul, per_expert,
+                                      self.swiglu)  # type: ignore[arg-type]
             return back_rd, srt, dropped, srt.overflow
         # padded: per-destination buffers, slot q of rank g holds sorted row send_start[g] + q
         b, me = self.buffer(n).rows, self._me()
@@ -527,7 +531,7 @@ class _EPShard:
             recv_rd = checkpoint_name(recv_rd, A2A_DISPATCH)
         with jax.named_scope("experts"):  # source s's rows lie in its slots [s*B, s*B + count)
             rg = _regroup(meta[:, me, :local], jnp.arange(groups, dtype=jnp.int32) * b, rows)
-            back_rd = _expert_ffn(self.matmul, per_expert, recv_rd, rg, w_gate, w_up, w_down)
+            back_rd = _expert_ffn(self.matmul, self.swiglu, per_expert, recv_rd, rg, w_gate, w_up, w_down)
         return back_rd, srt, dropped, srt.overflow
 
     def combine(self, back_rd: jax.Array, srt: _Sorted, weights_nk: jax.Array,

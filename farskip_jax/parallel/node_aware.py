@@ -319,6 +319,7 @@ class _NodeShard:
     seq_len: int
     exchange: str
     matmul: str
+    swiglu: str = "xla"  # the activation kernel (model/swiglu_rows.py)
 
     @property
     def ranks(self) -> int:  # G
@@ -458,10 +459,11 @@ class _NodeShard:
             rows2 = stage2.rows
             per_expert = min(self.ranks * rows_per_expert(n, self.seq_len, self.cfg, self.exe), rows2)
             if plan2 is not None:  # ragged: the receive buffer is expert-major already
-                back_rd = grouped_ffn(recv2, starts_l, w_gate, w_up, w_down, self.matmul, per_expert)
+                back_rd = grouped_ffn(recv2, starts_l, w_gate, w_up, w_down, self.matmul, per_expert,
+                                      self.swiglu)  # type: ignore[arg-type]
             else:
                 rg = _regroup(counts2[:, loc], stage2.blocks(counts2_sd)[:, loc], rows2)
-                back_rd = _expert_ffn(self.matmul, per_expert, recv2, rg, w_gate, w_up, w_down)
+                back_rd = _expert_ffn(self.matmul, self.swiglu, per_expert, recv2, rg, w_gate, w_up, w_down)
         if self.exe.capacity_factor > 0:  # equal tokens per shard: the mean of means is the global mean
             dropped = jax.lax.pmean(dropped, BATCH_AXES)
         state = _NodeState(present_nd & ~overflow, pairs.inv_a, pairs.order_a[:s1], lid_rk, w_rk, srt.inv_a,
@@ -541,14 +543,14 @@ _partial_sums.defvjp(_partial_sums_fwd, _partial_sums_bwd)
 
 
 def node_aware_routed(mesh: Mesh, expert_per_node: int, cfg: ModelConfig, bounded_exe: ExecutionConfig,
-                      exchange: str, matmul: str,
+                      exchange: str, matmul: str, swiglu: str,
                       x_nd: jax.Array, routing: Routing, experts: RoutedExperts,
                       shared_fn: SharedFn | None
                       ) -> tuple[jax.Array, dict[str, jax.Array], jax.Array | None]:
     """`ExpertParallel.routed_with_shared` with the two-stage exchange (`bounded_exe`: the execution
     config its buffers are sized by, `dispatch.buffer_config`)."""
     ep = _NodeShard(cfg, bounded_exe, mesh.shape[AXIS] // expert_per_node, expert_per_node, routing.seq_len,
-                    exchange, matmul)
+                    exchange, matmul, swiglu)
     tokens, expert_spec = P(BATCH_AXES), P(AXIS, None, None)
     smap = functools.partial(jax.shard_map, mesh=mesh)
     w_gld = (experts.w_gate[...], experts.w_up[...], experts.w_down[...])

@@ -23,6 +23,7 @@ from farskip_jax.model.dispatch import (
     rows_per_expert,
 )
 from farskip_jax.model.moe import RoutedExperts, Routing
+from farskip_jax.model.swiglu_rows import resolve_swiglu
 
 
 @dataclass(frozen=True)
@@ -71,10 +72,11 @@ class TensorParallel:
         ids_nk = ids_nk - rank * local
         ids_nk = jnp.where((ids_nk >= 0) & (ids_nk < local), ids_nk, local)  # another rank's: skipped
         with jax.named_scope("experts"):
+            device = self.device or jax.devices()[0]
+            matmul = resolve_matmul(exe.expert_matmul, device, cfg.dtype)
             routed = routed_experts(x_nd, ids_nk, routing.weights_nk, experts.w_gate[...], experts.w_up[...],
-                                    experts.w_down[...],
-                                    resolve_matmul(exe.expert_matmul, self.device or jax.devices()[0],
-                                                   cfg.dtype),
+                                    experts.w_down[...], matmul,
                                     rows_per_expert(x_nd.shape[0], routing.seq_len, cfg, exe),
-                                    rows=buffer.rows if buffer.bounded else None)
+                                    rows=buffer.rows if buffer.bounded else None,
+                                    swiglu=resolve_swiglu(exe.expert_swiglu, device, matmul))
         return routed, {"dropped_fraction": dropped, "moe_overflow": overflow}

@@ -261,6 +261,21 @@ def has_exact_rows(ins: Instr, mod: HloModule | None = None) -> bool:
     return False
 
 
+# The names (`pallas_call(name=...)`, in each kernel's op_name) of the kernels `is_row_kernel` knows.
+ROW_KERNEL_NAMES = ("swiglu_rows_fwd", "swiglu_rows_bwd")
+
+
+def is_row_kernel(ins: Instr) -> bool:
+    """A Pallas kernel that computes only the rows in the groups of a grouped GEMM's buffer (the
+    routed experts' activation, model/swiglu_rows.py): priced like the grouped GEMMs around it, at
+    ``CostModel``'s ``grouped_fill`` of its static rows."""
+    if ins.opcode != "custom-call":
+        return False
+    target = re.search(r'custom_call_target="([^"]*)"', ins.attrs)
+    return (target is not None and target.group(1) in _PALLAS_TARGETS
+            and any(re.search(rf"[/(]{name}[/)]", ins.op_name) for name in ROW_KERNEL_NAMES))
+
+
 def is_grouped_gemm(ins: Instr, mod: HloModule | None = None) -> bool:
     """A grouped GEMM over sorted rows (``jax.lax.ragged_dot``): XLA's ``ragged-dot`` op, the
     hipBLASLt/cuBLASLt grouped-matmul custom call it lowers to, a tokamax ragged_dot kernel, or (with
@@ -469,7 +484,7 @@ class CostModel:
             flops = instr_flops(self.mod, comp, ins)
             nbytes = instr_bytes(comp, ins, self.mod, comp.name in self.loop_computations)
             t = max(flops / self.hw["peak_flops"], nbytes / self.hw["hbm_bw"]) * 1e6
-            if is_grouped_gemm(ins, self.mod) and not has_exact_rows(ins, self.mod):
+            if (is_grouped_gemm(ins, self.mod) or is_row_kernel(ins)) and not has_exact_rows(ins, self.mod):
                 t *= self.grouped_fill
         self._cost[key] = t
         return t

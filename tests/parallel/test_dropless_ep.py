@@ -37,6 +37,7 @@ from par_common import (
     TINY_EXE,
     count_ops,
     emulated_ragged_all_to_all,
+    emulated_swiglu_call,
     max_abs_err,
     nan_scratch_rows,
     record,
@@ -48,7 +49,9 @@ from par_common import (
 
 import farskip_jax
 from farskip_jax.config import ExecutionConfig, MeshConfig
+from farskip_jax.model import swiglu_rows
 from farskip_jax.model.moe import MoE, route
+from farskip_jax.model.swiglu_rows import KERNEL_NAMES
 from farskip_jax.parallel import (
     ExpertParallel,
     batch_sharding,
@@ -247,21 +250,28 @@ def test_ragged_exchange_emulated(ckpt, one_device, monkeypatch, per_node):
     assert err_logits <= TOL and err_grads <= TOL
 
 
-@pytest.mark.parametrize("matmul,per_node", [("blocked", 0), ("ragged", 0), ("padded", 0), ("blocked", 4)])
-def test_ragged_exchange_never_reads_unwritten_rows(ckpt, one_device, monkeypatch, matmul, per_node):
+@pytest.mark.parametrize("matmul,per_node,swiglu", [
+    ("blocked", 0, "xla"), ("ragged", 0, "xla"), ("padded", 0, "xla"), ("blocked", 4, "xla"),
+    ("ragged", 0, "pallas_triton"), pytest.param("ragged", 4, "pallas_triton", marks=pytest.mark.slow)])
+def test_ragged_exchange_never_reads_unwritten_rows(ckpt, one_device, monkeypatch, matmul, per_node, swiglu):
     """The exchanges' output buffers that need no zeros (`schedule.scratch_rows`: uninitialised on
     GPUs) filled with NaN instead: the step still equals one device, logits and gradients, bounded
     (overflowing: the void result stays finite) and worst case. The rows past the experts' groups
     in the receive buffer, the Combine's dropped rows and the backward Combine's cotangent rows
     past the groups are never read, by any expert matmul that runs here (blocked, XLA's ragged_dot,
-    padded; tokamax's: tests/model/test_grouped_matmul.py), flat or node-aware."""
+    padded; tokamax's: tests/model/test_grouped_matmul.py), flat or node-aware. With the activation
+    kernel (model/swiglu_rows.py; its math in jnp here, `emulated_swiglu_call`) the rows past the
+    groups' blocks of its result and of both its gradients are NaN too: nothing reads them either."""
     from farskip_jax.model import schedule
 
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
-    uses = []
+    uses, kernel_calls = [], []
     monkeypatch.setattr(schedule, "scratch_rows", lambda *a: uses.append(a[0]) or nan_scratch_rows(*a))
+    monkeypatch.setattr(swiglu_rows, "_call",
+                        lambda *a: kernel_calls.append(a[1]) or emulated_swiglu_call(*a))
     model = farskip_jax.from_pretrained(ckpt["dir"], exe=ExecutionConfig(ep_exchange="ragged",
-                                                                         expert_matmul=matmul))
+                                                                         expert_matmul=matmul,
+                                                                         expert_swiglu=swiglu))
     graphdef, _ = nnx.split(model, nnx.Param)
     mesh = make_mesh(MESHES["ep8"])
     args = (place(ckpt["state"], mesh, "ep"), jax.device_put(ckpt["ids"], batch_sharding(mesh)), ckpt["w"])
@@ -272,11 +282,13 @@ def test_ragged_exchange_never_reads_unwritten_rows(ckpt, one_device, monkeypatc
         # node-aware: each stage's receive buffer and Combine output
         moe_layers = sum(1 for i in range(model.cfg.num_layers) if model.cfg.is_moe_layer(i))
         assert len(uses) == (3 if per_node == 0 else 4) * moe_layers, len(uses)
+        assert sorted(set(kernel_calls)) == ([] if swiglu == "xla" else sorted(KERNEL_NAMES))  # both ways
         (_, (logits, overflow)), grads = lowered.compile(FAST)(*args)
         assert int(overflow) == int(bounded)
         assert bool(jnp.all(jnp.isfinite(logits)))
     err_logits, err_grads = max_abs_err(logits, one_device[0]), max_abs_err(grads, one_device[1])
-    case = f"ep8_ragged_nan_scratch_{matmul}" + ("" if per_node == 0 else f"_nodes{8 // per_node}x{per_node}")
+    case = (f"ep8_ragged_nan_scratch_{matmul}" + ("" if swiglu == "xla" else f"_{swiglu}")
+            + ("" if per_node == 0 else f"_nodes{8 // per_node}x{per_node}"))
     record("dropless_one_rank", case, "logits", err_logits)
     record("dropless_one_rank", case, "grads", err_grads)
     assert err_logits <= TOL and err_grads <= TOL
@@ -394,3 +406,9 @@ def test_ragged_exchange_compiles_for_h200():
     assignments = 16 * T * cfg.num_experts_per_tok // 8  # the Combine's output rows per rank
     assert sorted(allocated) == sorted([f"bf16[{recv_rows}"] * 2 + [f"bf16[{assignments}"])
     assert not zero_fills
+    # The experts' activation between the grouped GEMMs is the kernel that skips the rows past the
+    # groups (model/swiglu_rows.py), forward and backward, over the receive buffer's rows.
+    activation = re.findall(rf"= \(?bf16\[{recv_rows},\d+\][^\n]* "
+                            r'custom_call_target="__gpu\$xla\.gpu\.triton"[^\n]*op_name="[^"]*/(swiglu_rows_\w+)/',
+                            art.hlo_text)
+    assert sorted(set(activation)) == ["swiglu_rows_bwd", "swiglu_rows_fwd"], activation

@@ -1,0 +1,159 @@
+"""The routed experts' SwiGLU activation, silu(gate) * up, over the rows a bounded buffer holds.
+
+Why: an expert-parallel receive buffer is sized for twice the rows balanced routing delivers
+(`execution.moe_buffer_factor`, model/dispatch.py `moe_buffer`), and the grouped GEMMs around the
+activation compute only the rows in their groups. XLA's elementwise fusion between them cannot know
+the dynamic row count, so it reads and writes every static row: forward, backward and the
+recomputation, about 30 ms of the 8-MI300X FCSD step's ~390 ms of serial compute (est., BENCHMARKS.md
+K29), half of it over rows that hold nothing. This Pallas kernel is given the number of rows in use
+and skips every block of rows past it, in both directions.
+
+CONTRACT: rows at or past `rows` of the result (and of both gradients) are unspecified: the kernel
+does not write them. Every consumer in the expert paths reads only the rows inside the groups (the
+grouped GEMMs, their gradients, the weighted sum: BENCHMARKS.md K27 has the same contract for the
+exchanges' buffers). Rows before `rows` hold silu(gate) * up computed in fp32 and rounded once to
+the input dtype (XLA's plain path rounds bf16 after each op: the kernel is at least as accurate).
+
+Kernels (`resolve_swiglu`, what `execution.expert_swiglu: auto` uses):
+
+- "pallas_triton": JAX's Pallas Triton backend, lowered to XLA's built-in Triton (the
+  `__gpu$xla.gpu.triton` custom call; no triton package), on Hopper and gfx942 (MI300X: the same
+  device description as the fused attention, model/attention_kernels.py). On CPU the same kernel
+  runs in Pallas' interpreter, which leaves the unwritten rows NaN: how the tests check that no
+  consumer reads them.
+- "xla": `jax.nn.silu(gate) * up`, every row (CPU, the padded and blocked grouped matmuls, which
+  compute every row or give 0 past the groups, and fp32 on GPUs, not compiled here with the kernel).
+
+Block sizes are powers of two (Triton's tile shapes) that divide the array: up to 128 rows x 128
+columns (DSV2-Lite's 1408-wide experts: 11 column blocks). Untuned: no GPU was available.
+
+Shape legend: R rows of the expert buffer, F the experts' intermediate width.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from farskip_jax.model.grouped_matmul import vary_alike
+from farskip_jax.platforms import device_family, target_device
+
+# The pallas_call names: the inspector prices these kernels at the buffer's fill.
+from farskip_jax.xla.costs import ROW_KERNEL_NAMES as KERNEL_NAMES
+
+SwigluKernel = Literal["pallas_triton", "xla"]
+SWIGLU_MODES: tuple[str, ...] = ("auto", "pallas_triton", "xla")
+_MAX_BLOCK = 128
+
+
+def resolve_swiglu(mode: str, device: Any, matmul: str) -> SwigluKernel:
+    """`execution.expert_swiglu` for the grouped matmul `matmul`. The kernel only runs between the
+    grouped GEMMs that compute the rows in their groups (ragged, tokamax): "xla" with the others,
+    whatever the setting. There, "auto" is the kernel on a GPU whose Triton lowering was compiled
+    here (Hopper, gfx942), else "xla"; an explicit "pallas_triton" runs anywhere (Pallas'
+    interpreter on CPU)."""
+    if mode not in SWIGLU_MODES:
+        raise ValueError(f"expert_swiglu={mode!r}: expected one of {SWIGLU_MODES}")
+    if matmul not in ("ragged", "tokamax"):
+        return "xla"
+    if mode != "auto":
+        return mode  # type: ignore[return-value]
+    family = device_family(device)
+    if family == "cuda":
+        try:
+            hopper = 9.0 <= float(getattr(device, "compute_capability", "0")) < 10.0
+        except ValueError:
+            hopper = False
+        return "pallas_triton" if hopper else "xla"
+    if family == "rocm":
+        from farskip_jax.model.attention_kernels import gfx942_triton_ready
+
+        return "pallas_triton" if gfx942_triton_ready(device) else "xla"
+    return "xla"
+
+
+def swiglu_rows(gate_rf: jax.Array, up_rf: jax.Array, rows: jax.Array, kernel: SwigluKernel) -> jax.Array:
+    """silu(gate) * up: [R, F]. "xla" computes every row; "pallas_triton" the first `rows` (int32 [])
+    only, leaving the rest unspecified (module docstring), with its own VJP that does the same."""
+    if kernel == "xla":
+        return jax.nn.silu(gate_rf) * up_rf
+    if kernel != "pallas_triton":
+        raise ValueError(f"swiglu kernel {kernel!r}: expected 'pallas_triton' or 'xla'")
+    gate_rf, up_rf, rows_1 = vary_alike(gate_rf, up_rf, jnp.asarray(rows, jnp.int32).reshape(1))
+    return _swiglu(gate_rf, up_rf, rows_1)
+
+
+def _blocks(rows: int, cols: int) -> tuple[int, int]:
+    def largest(n: int) -> int:
+        return min(n & -n, _MAX_BLOCK)  # the largest power of two dividing n, capped
+
+    return largest(rows), largest(cols)
+
+
+def _call(body: Any, name: str, inputs: tuple[jax.Array, ...], n_out: int) -> tuple[jax.Array, ...]:
+    """`body` over (row block, column block) programs; inputs[0] is the row count, the rest [R, F]."""
+    r, f = inputs[1].shape
+    block_r, block_f = _blocks(r, f)
+    tile = pl.BlockSpec((block_r, block_f), lambda i, j: (i, j))
+    interpret = device_family(target_device()) == "cpu"  # Pallas' interpreter: the CPU tests
+    params = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pl_triton
+
+        params["compiler_params"] = pl_triton.CompilerParams(num_warps=4, num_stages=1)
+    out = pl.pallas_call(
+        partial(body, block_r=block_r), name=name, grid=(r // block_r, f // block_f),
+        in_specs=[pl.BlockSpec((1,), lambda i, j: (0,))] + [tile] * (len(inputs) - 1),
+        out_specs=[tile] * n_out, interpret=interpret, **params,
+        # inside a shard_map the results vary over the mesh axes the (alike-cast) inputs vary over
+        out_shape=[jax.ShapeDtypeStruct((r, f), inputs[1].dtype,
+                                        manual_axis_type=jax.typeof(inputs[1]).manual_axis_type)] * n_out,
+    )(*inputs)
+    return tuple(out)
+
+
+def _forward_body(rows_ref: Any, gate_ref: Any, up_ref: Any, h_ref: Any, *, block_r: int) -> None:
+    @pl.when(pl.program_id(0) * block_r < rows_ref[0])
+    def _() -> None:
+        g = gate_ref[...].astype(jnp.float32)
+        h_ref[...] = (g * jax.nn.sigmoid(g) * up_ref[...].astype(jnp.float32)).astype(h_ref.dtype)
+
+
+def _backward_body(rows_ref: Any, gate_ref: Any, up_ref: Any, dh_ref: Any, dgate_ref: Any, dup_ref: Any,
+                   *, block_r: int) -> None:
+    @pl.when(pl.program_id(0) * block_r < rows_ref[0])
+    def _() -> None:
+        g = gate_ref[...].astype(jnp.float32)
+        dh = dh_ref[...].astype(jnp.float32)
+        s = jax.nn.sigmoid(g)
+        silu = g * s
+        # d silu / dg = s + g s (1 - s) = s (1 + g (1 - s))
+        dgate = dh * up_ref[...].astype(jnp.float32) * s * (1.0 + g * (1.0 - s))
+        dgate_ref[...] = dgate.astype(dgate_ref.dtype)
+        dup_ref[...] = (dh * silu).astype(dup_ref.dtype)
+
+
+@jax.custom_vjp
+def _swiglu(gate_rf: jax.Array, up_rf: jax.Array, rows_1: jax.Array) -> jax.Array:
+    return _call(_forward_body, KERNEL_NAMES[0], (rows_1, gate_rf, up_rf), 1)[0]
+
+
+def _swiglu_fwd(gate_rf: jax.Array, up_rf: jax.Array, rows_1: jax.Array
+                ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+    return _swiglu(gate_rf, up_rf, rows_1), (gate_rf, up_rf, rows_1)
+
+
+def _swiglu_bwd(res: tuple[jax.Array, jax.Array, jax.Array], dh_rf: jax.Array
+                ) -> tuple[jax.Array, jax.Array, np.ndarray]:
+    gate_rf, up_rf, rows_1 = res
+    dh_rf = dh_rf.astype(gate_rf.dtype)
+    dgate, dup = _call(_backward_body, KERNEL_NAMES[1], (rows_1, gate_rf, up_rf, dh_rf), 2)
+    return dgate, dup, np.zeros(rows_1.shape, jax.dtypes.float0)
+
+
+_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)

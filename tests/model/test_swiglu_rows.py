@@ -1,0 +1,170 @@
+"""The routed experts' activation kernel (model/swiglu_rows.py) against XLA's silu(gate) * up.
+
+On CPU the Pallas kernel runs in Pallas' interpreter (the same kernel body the GPU lowering
+compiles); rows the kernel does not write come back NaN there, so these tests also see which rows
+it leaves alone. Inside an expert-parallel shard_map: tests/parallel/test_dropless_ep.py. The
+deviceless compiles for both targets: tests/parallel/test_dropless_ep.py (H200) and below (MI300X).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from farskip_jax.model import swiglu_rows as sr
+from farskip_jax.model.dispatch import grouped_ffn
+
+
+def _inputs(r: int, f: int, dtype=jnp.float32, seed: int = 0):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    gate = (3.0 * jax.random.normal(keys[0], (r, f), jnp.float32)).astype(dtype)  # silu's bend and tails
+    up = jax.random.normal(keys[1], (r, f), jnp.float32).astype(dtype)
+    d_h = jax.random.normal(keys[2], (r, f), jnp.float32).astype(dtype)
+    return gate, up, d_h
+
+
+def _value_and_grads(kernel: str, gate, up, d_h, rows: int):
+    def fwd(g, u):
+        return sr.swiglu_rows(g, u, jnp.int32(rows), kernel)
+
+    h, vjp = jax.vjp(fwd, gate, up)
+    return (h, *vjp(d_h))
+
+
+@pytest.mark.parametrize("r,f,rows", [(256, 48, 100), (256, 48, 256), (256, 48, 0), (200, 1408 // 11, 129),
+                                      (24, 16, 5)])
+def test_kernel_equals_xla_on_the_rows_in_use(r: int, f: int, rows: int) -> None:
+    """fp32: value, d gate and d up equal XLA's autodiff of silu(gate) * up (<= 1e-6 of the largest)
+    on every row before `rows`; every row of a block that starts at or past `rows` is left unwritten
+    (NaN in the interpreter), and nothing before `rows` is."""
+    gate, up, d_h = _inputs(r, f)
+    want = _value_and_grads("xla", gate, up, d_h, rows)
+    got = jax.jit(lambda g, u, d: _value_and_grads("pallas_triton", g, u, d, rows))(gate, up, d_h)
+    block_r, _ = sr._blocks(r, f)
+    written = -(-rows // block_r) * block_r  # the kernel writes whole blocks of rows
+    for name, a, b in zip(("h", "d_gate", "d_up"), want, got, strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert not np.isnan(b[:rows]).any(), name
+        if rows:
+            assert np.abs(a[:rows] - b[:rows]).max() <= 1e-6 * np.abs(a[:rows]).max(), name
+        assert np.isnan(b[written:]).all(), name
+
+
+def test_bf16_kernel_rounds_once() -> None:
+    """bf16 inputs: the kernel's error against float64 is at most XLA's (which rounds after each
+    op) plus half a bf16 ulp of the value, forward and both gradients."""
+    gate, up, d_h = _inputs(512, 128, jnp.bfloat16, seed=1)
+    g64, u64, dh64 = (np.asarray(a, np.float64) for a in (gate, up, d_h))
+    s = 1.0 / (1.0 + np.exp(-g64))
+    exact = (g64 * s * u64, dh64 * u64 * s * (1.0 + g64 * (1.0 - s)), dh64 * g64 * s)
+    want = _value_and_grads("xla", gate, up, d_h, 512)
+    got = jax.jit(lambda g, u, d: _value_and_grads("pallas_triton", g, u, d, 512))(gate, up, d_h)
+    for name, e, a, b in zip(("h", "d_gate", "d_up"), exact, want, got, strict=True):
+        err_xla = np.abs(np.asarray(a, np.float64) - e)
+        err_kernel = np.abs(np.asarray(b, np.float64) - e)
+        half_ulp = np.abs(e) * 2.0**-8
+        print(f"SWIGLU_BF16 {name}: max err kernel {err_kernel.max():.3e}, xla {err_xla.max():.3e}")
+        assert (err_kernel <= err_xla + half_ulp + 1e-30).all(), name
+        assert err_kernel.mean() <= err_xla.mean(), name
+
+
+def test_grouped_ffn_with_the_kernel_equals_xla() -> None:
+    """The three ragged dots with the kernel between them: the rows in the groups give XLA's
+    values and the weights' and inputs' gradients (fp32, <= 1e-6 relative); rows past the groups
+    reach no weight gradient."""
+    rng = np.random.default_rng(0)
+    r, d, f, g = 96, 32, 48, 4
+    x = jnp.asarray(rng.normal(size=(r, d)), jnp.float32)
+    w = [jnp.asarray(rng.normal(size=s) / np.sqrt(s[1]), jnp.float32)
+         for s in ((g, d, f), (g, d, f), (g, f, d))]
+    starts = jnp.asarray([0, 10, 10, 41, 70], jnp.int32)  # an empty group; rows 70..95 in none
+    ct = jnp.asarray(rng.normal(size=(r, d)), jnp.float32)
+    in_groups = (jnp.arange(r) < 70)[:, None]
+
+    def loss(x, wg, wu, wd, swiglu):
+        y = grouped_ffn(x, starts, wg, wu, wd, "ragged", r, swiglu)
+        return jnp.sum(jnp.where(in_groups, y * ct, 0.0))
+
+    want = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x, *w, "xla")
+    got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), static_argnums=4)(x, *w, "pallas_triton")
+    assert abs(float(got[0]) - float(want[0])) <= 1e-6 * abs(float(want[0]))
+    for a, b in zip(want[1], got[1], strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.shape[0] == r:  # dx: rows past the groups get no gradient, both ways
+            a, b = a[:70], b[:70]
+        assert np.isfinite(b).all()
+        assert np.abs(a - b).max() <= 1e-6 * np.abs(a).max()
+
+
+def test_resolution() -> None:
+    """auto: xla on CPU and with grouped matmuls that compute every row; the kernel on a Hopper
+    device with tokamax or ragged_dot; an explicit choice is kept where the kernel can run; a wrong
+    one is refused."""
+    cpu = jax.devices("cpu")[0]
+    assert sr.resolve_swiglu("auto", cpu, "blocked") == "xla"
+    assert sr.resolve_swiglu("auto", cpu, "ragged") == "xla"
+    assert sr.resolve_swiglu("pallas_triton", cpu, "ragged") == "pallas_triton"  # the interpreter
+    assert sr.resolve_swiglu("pallas_triton", cpu, "blocked") == "xla"  # every row computed anyway
+    with pytest.raises(ValueError, match="expert_swiglu='triton'"):
+        sr.resolve_swiglu("triton", cpu, "ragged")
+
+    class Device:  # a compile-only device as the CUDA plugin describes it
+        platform, device_kind = "cuda", "NVIDIA H200"
+
+        def __init__(self, cc: str) -> None:
+            self.compute_capability = cc
+
+    assert sr.resolve_swiglu("auto", Device("9.0"), "tokamax") == "pallas_triton"
+    assert sr.resolve_swiglu("auto", Device("9.0"), "padded") == "xla"
+    assert sr.resolve_swiglu("auto", Device("8.0"), "ragged") == "xla"  # not compiled here
+
+
+ROCM_SCRIPT = r"""
+import json, re
+from farskip_jax.xla import rocm_standins
+rocm_standins.enable()
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from farskip_jax.xla import aot
+from farskip_jax.xla.costs import CostModel, HARDWARE
+from farskip_jax.xla.hlo_parse import parse_hlo
+from farskip_jax.model import swiglu_rows as sr
+mesh = aot.make_target_mesh("mi300x", {"x": 1})
+kernel = sr.resolve_swiglu("auto", mesh.devices.flat[0], "ragged")
+spec = lambda s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt, sharding=NamedSharding(mesh, P()))
+def f(g, u, n, ct):
+    h, vjp = jax.vjp(lambda g, u: sr.swiglu_rows(g, u, n, kernel), g, u)
+    return h, vjp(ct)
+art = aot.compile_scheduled_hlo(jax.jit(f), spec((4096, 1408)), spec((4096, 1408)), spec((), jnp.int32),
+                                spec((4096, 1408)), target="mi300x")
+mod = parse_hlo(art.hlo_text)
+times = {}
+for fill in (1.0, 0.5):
+    cost = CostModel(mod, HARDWARE["mi300x"], grouped_fill=fill)
+    times[fill] = sum(cost.op_time_us(c, i) for c in mod.computations.values() for i in c.instrs
+                      if 'custom_call_target="__gpu$xla.gpu.triton"' in i.attrs)
+calls = re.findall(r'custom_call_target="__gpu\$xla\.gpu\.triton"[^\n]*?'
+                   r'op_name="[^"]*[/(](swiglu_rows_\w+)[/)]', art.hlo_text)
+print("RESULT " + json.dumps({"kernel": kernel, "calls": sorted(calls), "us": times}))
+"""
+
+
+def test_mi300x_compiles_the_kernel_and_prices_it_at_the_fill() -> None:
+    """Deviceless gfx942 (the ROCm plugin with stand-in libraries, in a subprocess): auto picks the
+    kernel, forward and backward compile to XLA's Triton custom call, and the cost model charges
+    them at the grouped GEMMs' fill of their rows (half at 0.5)."""
+    pytest.importorskip("jax_plugins.xla_rocm7", reason="jax-rocm7-pjrt not installed")
+    proc = subprocess.run([sys.executable, "-c", ROCM_SCRIPT], capture_output=True, text=True, timeout=600)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, proc.stderr[-3000:]
+    res = json.loads(line[len("RESULT "):])
+    print(f"SWIGLU_MI300X {res}")
+    assert res["kernel"] == "pallas_triton"
+    assert res["calls"] == ["swiglu_rows_bwd", "swiglu_rows_fwd"]
+    assert res["us"]["1.0"] > 0 and res["us"]["0.5"] == pytest.approx(res["us"]["1.0"] / 2)
