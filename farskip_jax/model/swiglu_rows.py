@@ -4,9 +4,9 @@ Why: an expert-parallel receive buffer is sized for twice the rows balanced rout
 (`execution.moe_buffer_factor`, model/dispatch.py `moe_buffer`), and the grouped GEMMs around the
 activation compute only the rows in their groups. XLA's elementwise fusion between them cannot know
 the dynamic row count, so it reads and writes every static row: forward, backward and the
-recomputation, about 30 ms of the 8-MI300X FCSD step's ~390 ms of serial compute (est., BENCHMARKS.md
-K29), half of it over rows that hold nothing. This Pallas kernel is given the number of rows in use
-and skips every block of rows past it, in both directions.
+and the teacher's forward: 30 ms of the 8-MI300X FCSD step's 390 ms of serial compute (est.,
+BENCHMARKS.md K29), half of it over rows that hold nothing. This Pallas kernel is given the number
+of rows in use and skips every block of rows past it, in both directions: 15 ms less there.
 
 CONTRACT: rows at or past `rows` of the result (and of both gradients) are unspecified: the kernel
 does not write them. Every consumer in the expert paths reads only the rows inside the groups (the
@@ -17,12 +17,15 @@ the input dtype (XLA's plain path rounds bf16 after each op: the kernel is at le
 Kernels (`resolve_swiglu`, what `execution.expert_swiglu: auto` uses):
 
 - "pallas_triton": JAX's Pallas Triton backend, lowered to XLA's built-in Triton (the
-  `__gpu$xla.gpu.triton` custom call; no triton package), on Hopper and gfx942 (MI300X: the same
-  device description as the fused attention, model/attention_kernels.py). On CPU the same kernel
-  runs in Pallas' interpreter, which leaves the unwritten rows NaN: how the tests check that no
-  consumer reads them.
-- "xla": `jax.nn.silu(gate) * up`, every row (CPU, the padded and blocked grouped matmuls, which
-  compute every row or give 0 past the groups, and fp32 on GPUs, not compiled here with the kernel).
+  `__gpu$xla.gpu.triton` custom call; no triton package). `auto` on gfx942 (MI300X: the same device
+  description as the fused attention, model/attention_kernels.py). It compiles for Hopper too, but
+  there it gains nothing (est. 8-H200 step 567.41 against 567.39 ms, K29): tokamax's weight-gradient
+  kernel reads its rows transposed, and XLA, which fused the activation into that transpose, now
+  transposes the kernel's output over the whole buffer (6.0 ms per step). On CPU the kernel runs in
+  Pallas' interpreter, which leaves the unwritten rows NaN: how the tests check that no consumer
+  reads them.
+- "xla": `jax.nn.silu(gate) * up`, every row (CPU, Hopper, the padded and blocked grouped matmuls,
+  which compute every row or give 0 past the groups).
 
 Block sizes are powers of two (Triton's tile shapes) that divide the array: up to 128 rows x 128
 columns (DSV2-Lite's 1408-wide experts: 11 column blocks). Untuned: no GPU was available.
@@ -54,23 +57,16 @@ _MAX_BLOCK = 128
 def resolve_swiglu(mode: str, device: Any, matmul: str) -> SwigluKernel:
     """`execution.expert_swiglu` for the grouped matmul `matmul`. The kernel only runs between the
     grouped GEMMs that compute the rows in their groups (ragged, tokamax): "xla" with the others,
-    whatever the setting. There, "auto" is the kernel on a GPU whose Triton lowering was compiled
-    here (Hopper, gfx942), else "xla"; an explicit "pallas_triton" runs anywhere (Pallas'
-    interpreter on CPU)."""
+    whatever the setting. There, "auto" is the kernel on gfx942 (MI300X) where its Triton lowering
+    finds the architecture, else "xla" (on Hopper it gains nothing: module docstring); an explicit
+    "pallas_triton" runs anywhere (Hopper, and Pallas' interpreter on CPU)."""
     if mode not in SWIGLU_MODES:
         raise ValueError(f"expert_swiglu={mode!r}: expected one of {SWIGLU_MODES}")
     if matmul not in ("ragged", "tokamax"):
         return "xla"
     if mode != "auto":
         return mode  # type: ignore[return-value]
-    family = device_family(device)
-    if family == "cuda":
-        try:
-            hopper = 9.0 <= float(getattr(device, "compute_capability", "0")) < 10.0
-        except ValueError:
-            hopper = False
-        return "pallas_triton" if hopper else "xla"
-    if family == "rocm":
+    if device_family(device) == "rocm":
         from farskip_jax.model.attention_kernels import gfx942_triton_ready
 
         return "pallas_triton" if gfx942_triton_ready(device) else "xla"

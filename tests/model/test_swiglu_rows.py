@@ -3,7 +3,7 @@
 On CPU the Pallas kernel runs in Pallas' interpreter (the same kernel body the GPU lowering
 compiles); rows the kernel does not write come back NaN there, so these tests also see which rows
 it leaves alone. Inside an expert-parallel shard_map: tests/parallel/test_dropless_ep.py. The
-deviceless compiles for both targets: tests/parallel/test_dropless_ep.py (H200) and below (MI300X).
+deviceless compiles for both targets: below.
 """
 
 from __future__ import annotations
@@ -103,9 +103,9 @@ def test_grouped_ffn_with_the_kernel_equals_xla() -> None:
 
 
 def test_resolution() -> None:
-    """auto: xla on CPU and with grouped matmuls that compute every row; the kernel on a Hopper
-    device with tokamax or ragged_dot; an explicit choice is kept where the kernel can run; a wrong
-    one is refused."""
+    """auto: xla on CPU, on Hopper and with grouped matmuls that compute every row (the kernel on
+    gfx942: test_mi300x_compiles_the_kernel_and_prices_it_at_the_fill); an explicit choice is kept
+    where the kernel can run; a wrong one is refused."""
     cpu = jax.devices("cpu")[0]
     assert sr.resolve_swiglu("auto", cpu, "blocked") == "xla"
     assert sr.resolve_swiglu("auto", cpu, "ragged") == "xla"
@@ -120,9 +120,45 @@ def test_resolution() -> None:
         def __init__(self, cc: str) -> None:
             self.compute_capability = cc
 
-    assert sr.resolve_swiglu("auto", Device("9.0"), "tokamax") == "pallas_triton"
-    assert sr.resolve_swiglu("auto", Device("9.0"), "padded") == "xla"
-    assert sr.resolve_swiglu("auto", Device("8.0"), "ragged") == "xla"  # not compiled here
+    assert sr.resolve_swiglu("auto", Device("9.0"), "tokamax") == "xla"  # no gain there (K29)
+    assert sr.resolve_swiglu("pallas_triton", Device("9.0"), "tokamax") == "pallas_triton"
+
+
+def test_h200_compiles_the_kernel_when_asked() -> None:
+    """Deviceless Hopper, `expert_swiglu=pallas_triton` with tokamax's grouped GEMMs: one tiny
+    EP=8 MoE layer, forward and backward, runs both kernels over the receive buffer's rows."""
+    pytest.importorskip("jax_plugins.xla_cuda13", reason="jax-cuda13-pjrt not installed")
+    import re
+
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from farskip_jax.config import load_config
+    from farskip_jax.model.moe import MoE
+    from farskip_jax.parallel import ExpertParallel
+    from farskip_jax.xla import aot
+
+    mesh = aot.make_target_mesh("h200", {"data": 1, "expert": 8, "tensor": 1})
+    tiny = load_config("tiny", {"model.n_routed_experts": 16, "model.dtype": "bfloat16",
+                                "execution.expert_swiglu": "pallas_triton"})
+    cfg, exe = tiny.model, tiny.execution
+    graphdef, state = nnx.split(MoE(cfg, nnx.Rngs(0), exe=exe), nnx.Param)
+    par = ExpertParallel(mesh)
+    specs = jax.tree_util.tree_map_with_path(
+        lambda path, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(
+            mesh, P("expert") if "experts" in jax.tree_util.keystr(path) else P())), state)
+    x = jax.ShapeDtypeStruct((16, 32, cfg.hidden_size), jnp.bfloat16,
+                             sharding=NamedSharding(mesh, P(("data", "expert"))))
+
+    def loss(s, x):
+        shared, routed, _ = nnx.merge(graphdef, s)(x, par.routed_fn)
+        return jnp.mean((shared + routed).astype(jnp.float32) ** 2)
+
+    hlo = aot.compile_scheduled_hlo(jax.jit(jax.grad(loss, argnums=(0, 1))), specs, x, target="h200").hlo_text
+    calls = re.findall(r'custom_call_target="__gpu\$xla\.gpu\.triton"[^\n]*?'
+                       r'op_name="[^"]*[/(](swiglu_rows_\w+)[/)]', hlo)
+    assert sorted(set(calls)) == ["swiglu_rows_bwd", "swiglu_rows_fwd"], calls
 
 
 ROCM_SCRIPT = r"""

@@ -406,9 +406,3 @@ def test_ragged_exchange_compiles_for_h200():
     assignments = 16 * T * cfg.num_experts_per_tok // 8  # the Combine's output rows per rank
     assert sorted(allocated) == sorted([f"bf16[{recv_rows}"] * 2 + [f"bf16[{assignments}"])
     assert not zero_fills
-    # The experts' activation between the grouped GEMMs is the kernel that skips the rows past the
-    # groups (model/swiglu_rows.py), forward and backward, over the receive buffer's rows.
-    activation = re.findall(rf"= \(?bf16\[{recv_rows},\d+\][^\n]* "
-                            r'custom_call_target="__gpu\$xla\.gpu\.triton"[^\n]*op_name="[^"]*/(swiglu_rows_\w+)/',
-                            art.hlo_text)
-    assert sorted(set(activation)) == ["swiglu_rows_bwd", "swiglu_rows_fwd"], activation
