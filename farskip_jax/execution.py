@@ -59,8 +59,8 @@ class ExecutionConfig:
     # The routed experts' activation silu(gate) * up between the ragged / tokamax grouped GEMMs: a
     # Pallas Triton kernel that skips the buffer's rows past the groups (forward and backward;
     # Pallas' interpreter on CPU, for tests), XLA's elementwise fusion over every row, or auto = the
-    # kernel on MI300X, xla elsewhere (on H200 it gains nothing, est.: BENCHMARKS.md K29). The
-    # blocked and padded grouped matmuls always get xla (model/swiglu_rows.py).
+    # kernel on Hopper and MI300X, xla elsewhere. The blocked and padded grouped matmuls always get
+    # xla (model/swiglu_rows.py).
     expert_swiglu: Literal["auto", "pallas_triton", "xla"] = "auto"
     # Expert-parallel token exchange: ragged_all_to_all (GPU), per-destination buffers with a plain
     # all_to_all (works everywhere, XLA:CPU included), or auto = ragged on GPU meshes, padded elsewhere.

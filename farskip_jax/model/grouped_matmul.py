@@ -230,16 +230,16 @@ def _dims(contract: tuple[tuple[int, ...], tuple[int, ...]], lhs_ragged: int,
 
 # x [M, K] . w [G, K, N] -> [M, N]; dx = dy [M, N] . w^T (contract N); dW = x^T dy per group
 # (contract the ragged M: the group axis comes out in front).
-_FWD = _dims(((1,), (1,)), 0, (0,))
-_DX = _dims(((1,), (2,)), 0, (0,))
-_DW = _dims(((0,), (0,)), 0, ())
+RAGGED_FWD = _dims(((1,), (1,)), 0, (0,))
+RAGGED_DX = _dims(((1,), (2,)), 0, (0,))
+RAGGED_DW = _dims(((0,), (0,)), 0, ())
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _tokamax(x_md: jax.Array, w_gkn: jax.Array, sizes_g: jax.Array, implementation: str) -> jax.Array:
     import tokamax  # imported on first use: the CPU paths never load it
 
-    y = tokamax.ragged_dot_general(x_md, w_gkn, sizes_g, _FWD, implementation=implementation)
+    y = tokamax.ragged_dot_general(x_md, w_gkn, sizes_g, RAGGED_FWD, implementation=implementation)
     # A Pallas kernel's result comes back typed as varying over no shard_map axis; it varies like its
     # rows. The cast is inside the custom VJP, so JAX never transposes it (that would psum cotangents).
     return typed_like(y, x_md)
@@ -253,9 +253,9 @@ def _tokamax_bwd(implementation: str, res: tuple[jax.Array, jax.Array, jax.Array
     import tokamax
 
     x_md, w_gkn, sizes_g = res
-    dx = tokamax.ragged_dot_general(dy_mn, w_gkn, sizes_g, _DX, preferred_element_type=x_md.dtype,
+    dx = tokamax.ragged_dot_general(dy_mn, w_gkn, sizes_g, RAGGED_DX, preferred_element_type=x_md.dtype,
                                     implementation=implementation)
-    dw = tokamax.ragged_dot_general(x_md, dy_mn, sizes_g, _DW, preferred_element_type=w_gkn.dtype,
+    dw = tokamax.ragged_dot_general(x_md, dy_mn, sizes_g, RAGGED_DW, preferred_element_type=w_gkn.dtype,
                                     implementation=implementation)
     # Rows past the last group carry no assignment: their dx is 0 by definition, whatever the kernel
     # leaves there.

@@ -102,10 +102,45 @@ def test_grouped_ffn_with_the_kernel_equals_xla() -> None:
         assert np.abs(a - b).max() <= 1e-6 * np.abs(a).max()
 
 
+def test_swiglu_down_equals_the_activation_then_tokamax() -> None:
+    """The activation and tokamax's down projection as one op (its own VJP: the backward kernel
+    writes the activation again, transposed, for the weight gradient) against the kernel-free
+    composition with JAX's autodiff, tokamax's XLA implementation on CPU: value, d gate, d up on the
+    rows in the groups and the weights' gradient, fp32 (<= 1e-6 relative; the unwritten rows past
+    the groups are NaN in the interpreter and reach nothing)."""
+    from farskip_jax.model.grouped_matmul import tokamax_ragged_dot
+
+    rng = np.random.default_rng(0)
+    r, d, f, g = 256, 32, 48, 4
+    gate, up, _ = _inputs(r, f)
+    w_down = jnp.asarray(rng.normal(size=(g, f, d)) / np.sqrt(f), jnp.float32)
+    sizes = jnp.asarray([10, 0, 31, 29], jnp.int32)  # 70 rows in groups, an empty one
+    ct = jnp.asarray(rng.normal(size=(r, d)), jnp.float32)
+    in_groups = (jnp.arange(r) < 70)[:, None]
+
+    def plain(gate, up, w):
+        y = tokamax_ragged_dot(jax.nn.silu(gate) * up, w, sizes, implementation="xla")
+        return jnp.sum(jnp.where(in_groups, y * ct, 0.0))
+
+    def fused(gate, up, w):
+        y = sr.swiglu_down(gate, up, w, sizes, implementation="xla")
+        return jnp.sum(jnp.where(in_groups, y * ct, 0.0))
+
+    want = jax.value_and_grad(plain, argnums=(0, 1, 2))(gate, up, w_down)
+    got = jax.jit(jax.value_and_grad(fused, argnums=(0, 1, 2)))(gate, up, w_down)
+    assert abs(float(got[0]) - float(want[0])) <= 1e-6 * abs(float(want[0]))
+    for a, b in zip(want[1], got[1], strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.shape[0] == r:
+            a, b = a[:70], b[:70]
+        assert np.isfinite(b).all()
+        assert np.abs(a - b).max() <= 1e-6 * np.abs(a).max()
+
+
 def test_resolution() -> None:
-    """auto: xla on CPU, on Hopper and with grouped matmuls that compute every row (the kernel on
-    gfx942: test_mi300x_compiles_the_kernel_and_prices_it_at_the_fill); an explicit choice is kept
-    where the kernel can run; a wrong one is refused."""
+    """auto: xla on CPU and with grouped matmuls that compute every row; the kernel on Hopper
+    with tokamax (and on gfx942: test_mi300x_compiles_the_kernel_and_prices_it_at_the_fill); an
+    explicit choice is kept where the kernel can run; a wrong one is refused."""
     cpu = jax.devices("cpu")[0]
     assert sr.resolve_swiglu("auto", cpu, "blocked") == "xla"
     assert sr.resolve_swiglu("auto", cpu, "ragged") == "xla"
@@ -120,13 +155,16 @@ def test_resolution() -> None:
         def __init__(self, cc: str) -> None:
             self.compute_capability = cc
 
-    assert sr.resolve_swiglu("auto", Device("9.0"), "tokamax") == "xla"  # no gain there (K29)
-    assert sr.resolve_swiglu("pallas_triton", Device("9.0"), "tokamax") == "pallas_triton"
+    assert sr.resolve_swiglu("auto", Device("9.0"), "tokamax") == "pallas_triton"
+    assert sr.resolve_swiglu("auto", Device("9.0"), "padded") == "xla"
+    assert sr.resolve_swiglu("auto", Device("8.0"), "ragged") == "xla"  # not compiled here
 
 
-def test_h200_compiles_the_kernel_when_asked() -> None:
-    """Deviceless Hopper, `expert_swiglu=pallas_triton` with tokamax's grouped GEMMs: one tiny
-    EP=8 MoE layer, forward and backward, runs both kernels over the receive buffer's rows."""
+def test_h200_runs_the_kernel_and_transposes_nothing() -> None:
+    """Deviceless Hopper, `expert_swiglu: auto` with tokamax's grouped GEMMs, one tiny EP=8 MoE
+    layer, forward and backward: both kernels over the receive buffer's rows, the backward's third
+    output [F, R] read as it lies by tokamax's weight-gradient kernel (no transpose of the
+    activation anywhere: with the activation and the GEMM apart there was one, K29)."""
     pytest.importorskip("jax_plugins.xla_cuda13", reason="jax-cuda13-pjrt not installed")
     import re
 
@@ -140,8 +178,7 @@ def test_h200_compiles_the_kernel_when_asked() -> None:
     from farskip_jax.xla import aot
 
     mesh = aot.make_target_mesh("h200", {"data": 1, "expert": 8, "tensor": 1})
-    tiny = load_config("tiny", {"model.n_routed_experts": 16, "model.dtype": "bfloat16",
-                                "execution.expert_swiglu": "pallas_triton"})
+    tiny = load_config("tiny", {"model.n_routed_experts": 16, "model.dtype": "bfloat16"})
     cfg, exe = tiny.model, tiny.execution
     graphdef, state = nnx.split(MoE(cfg, nnx.Rngs(0), exe=exe), nnx.Param)
     par = ExpertParallel(mesh)
@@ -159,6 +196,12 @@ def test_h200_compiles_the_kernel_when_asked() -> None:
     calls = re.findall(r'custom_call_target="__gpu\$xla\.gpu\.triton"[^\n]*?'
                        r'op_name="[^"]*[/(](swiglu_rows_\w+)[/)]', hlo)
     assert sorted(set(calls)) == ["swiglu_rows_bwd", "swiglu_rows_fwd"], calls
+    rows = int(re.search(r"= bf16\[(\d+),16\]\S* custom-call\([^\n]*swiglu_rows_fwd", hlo).group(1))
+    activation_t = f"bf16[16,{rows}]"  # F = 16 (the tiny config's experts), R = the receive rows
+    assert not re.findall(rf"= {re.escape(activation_t)}\S* (?:transpose|fusion|copy)\(", hlo)
+    taken = re.search(rf"%([\w.\-]+) = {re.escape(activation_t)}\S* get-tuple-element\(%([\w.\-]+)\)", hlo)
+    assert taken is not None and re.search(rf"%{re.escape(taken.group(2))} = [^\n]*swiglu_rows_bwd", hlo)
+    assert re.search(rf"custom-call\([^\n]*%{re.escape(taken.group(1))}[,)][^\n]*mosaic_gpu_v2", hlo)
 
 
 ROCM_SCRIPT = r"""
