@@ -16,8 +16,8 @@ peak (arguments + outputs - aliased + temporaries, `xla.aot.memory_section`) fit
 hand out, or `execution.remat_budget_gib`. Where no budget is known (CPU) it is `none` without
 compiling anything extra. Each rejected policy costs one compile; the log names the peaks, and
 `--set execution.remat=<policy>` pins the choice. On H200 / MI300X a policy that fits but whose
-schedule XLA left largely synchronous (`MAX_SYNC_SHARE`) is compared with the next one that fits by
-the inspector's estimated step (`choose`).
+schedule XLA left largely synchronous (`MAX_SYNC_SHARE`) or largely exposed (`MAX_EXPOSED_SHARE`)
+is compared with the next one that fits by the inspector's estimated step (`choose`).
 
 The overflow re-run's worst-case program (`execution.moe_buffer_factor`) holds more than the bounded
 step, so it is chosen the same way among the policies that recompute at least as much as the
@@ -68,6 +68,11 @@ GIB = 2**30
 # is compared with the next one (`choose`). Measured (BENCHMARKS K14, deviceless): H200 EP32 `none`
 # 28-31%; the other full-size steps with a complete report 0-0.6%.
 MAX_SYNC_SHARE = 0.25
+# The same for the collective transfer time XLA's order leaves exposed (nothing scheduled under it),
+# synchronous or not. Measured (BENCHMARKS K29, deviceless): 8 H200 FCSD with the activation kernel,
+# `none` (teacher split) fits at 110.0 GiB and leaves 38.6% exposed (est. 571.1 ms), where
+# `save_a2a_dots` with the local teacher, the next that fits, leaves 10.9% (est. 555.9 ms).
+MAX_EXPOSED_SHARE = 0.25
 MEMO_NAME = "remat_auto.json"
 LOCAL_TEACHER = "+local_teacher"  # a candidate label's suffix (`label`)
 # train.* keys that set the schedule and the run's bookkeeping, not what the step holds in memory;
@@ -218,8 +223,10 @@ def _gib(b: int | None) -> str:
 class Schedule:
     """What a compiled step's schedule says about a policy (`inspect.hlo.analyze` of its HLO)."""
 
-    sync_share: float  # of the collective transfer time, the part XLA left with nothing under it
+    sync_share: float  # of the collective transfer time, the part XLA left synchronous
     est_step_us: float  # the inspector's estimated step
+    # of the collective transfer time, the part XLA's order leaves with no compute under it
+    exposed_share: float = 0.0
 
 
 def schedule_of(hlo_text: str, target: str, grouped_fill: float = 1.0) -> Schedule:
@@ -228,7 +235,9 @@ def schedule_of(hlo_text: str, target: str, grouped_fill: float = 1.0) -> Schedu
 
     totals = hlo.analyze(hlo_text, target, grouped_fill=grouped_fill).totals
     transfer, sync = totals["all"]["transfer_us"], totals["all"]["sync_transfer_us"]
-    return Schedule(sync / transfer if transfer > 0 else 0.0, totals["est_step_us"])
+    if transfer <= 0:
+        return Schedule(0.0, totals["est_step_us"])
+    return Schedule(sync / transfer, totals["est_step_us"], totals["all"]["sim_exposed_us"] / transfer)
 
 
 def choose(policies: tuple[str, ...], compile_peak: Callable[[str], tuple[Any, int | None]],
@@ -242,8 +251,9 @@ def choose(policies: tuple[str, ...], compile_peak: Callable[[str], tuple[Any, i
 
     `schedule(compiled)` (GPU targets): a policy that fits but whose schedule leaves more than
     `MAX_SYNC_SHARE` of the collective transfer time synchronous (XLA's scheduler holds collectives
-    back near its own memory limit: H200 EP32 `none`, 30% of its collectives, BENCHMARKS K14) is
-    compared with the next policy that fits, and the one with the shorter estimated step runs. So is
+    back near its own memory limit: H200 EP32 `none`, 30% of its collectives, BENCHMARKS K14), or
+    more than `MAX_EXPOSED_SHARE` of it exposed (8 H200 `none`: 38.6%, K29), is compared with the
+    next policy that fits, and the one with the shorter estimated step runs. So is
     a local-teacher candidate that fits (the next is the same policy with the teacher split): the
     copies pay on most layouts, not on all (64 MI300X as data=8 x expert=8: est. 539.1 against
     533.3 ms, BENCHMARKS K24)."""
@@ -263,16 +273,17 @@ def choose(policies: tuple[str, ...], compile_peak: Callable[[str], tuple[Any, i
         if held is not None:
             first, first_sched = held
             keep_first = sched is None or first_sched.est_step_us <= sched.est_step_us
-            log.info("execution.remat=auto: %s est. %.1f ms (%.0f%% of collective time synchronous) "
-                     "against %s est. %s ms", first.policy, first_sched.est_step_us / 1e3,
-                     100 * first_sched.sync_share, policy,
+            log.info("execution.remat=auto: %s est. %.1f ms (%.0f%% of collective time synchronous, "
+                     "%.0f%% exposed) against %s est. %s ms", first.policy, first_sched.est_step_us / 1e3,
+                     100 * first_sched.sync_share, 100 * first_sched.exposed_share, policy,
                      "?" if sched is None else f"{sched.est_step_us / 1e3:.1f}")
             estimates = {first.policy: first_sched.est_step_us,
                          **({policy: sched.est_step_us} if sched is not None else {})}
             if agree(keep_first):
                 return dataclasses.replace(first, peaks=peaks, estimates=estimates)
             return dataclasses.replace(choice, estimates=estimates)
-        if sched is None or (sched.sync_share <= MAX_SYNC_SHARE and not has_local_teacher(policy)):
+        if sched is None or (sched.sync_share <= MAX_SYNC_SHARE and sched.exposed_share <= MAX_EXPOSED_SHARE
+                             and not has_local_teacher(policy)):
             return choice
         held = (choice, sched)
     if held is not None:  # nothing after the held policy fits

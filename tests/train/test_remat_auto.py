@@ -90,8 +90,8 @@ def test_choose_compares_a_schedule_held_back_by_memory(caplog):
     choice, compiled = run({"none": sched(0.31, 1433e3), "save_dots": sched(0.0, 1392e3)})
     assert (choice.policy, choice.compiled) == ("save_dots", "save_dots")
     assert compiled == ["none", "save_a2a_dots", "save_a2a", "save_dots"]
-    assert ("none est. 1433.0 ms (31% of collective time synchronous) against save_dots est. 1392.0 ms"
-            in caplog.text)
+    assert ("none est. 1433.0 ms (31% of collective time synchronous, 0% exposed) against save_dots "
+            "est. 1392.0 ms" in caplog.text)
     # ... unless the held-back schedule is still the faster one: then it runs, all peaks recorded
     choice, compiled = run({"none": sched(0.31, 1300e3), "save_dots": sched(0.0, 1392e3)})
     assert (choice.policy, choice.compiled) == ("none", "none")
@@ -103,6 +103,12 @@ def test_choose_compares_a_schedule_held_back_by_memory(caplog):
     for schedules in ({"none": sched(remat.MAX_SYNC_SHARE, 1433e3)}, {}):
         choice, compiled = run(schedules)
         assert (choice.policy, compiled) == ("none", ["none"])
+    # all asynchronous but 39% of the collective time exposed (8 H200 `none`, K29): compared too
+    choice, compiled = run({"none": sched(0.0, 571.1e3, 0.386), "save_dots": sched(0.0, 555.9e3, 0.109)})
+    assert (choice.policy, compiled) == ("save_dots", ["none", "save_a2a_dots", "save_a2a", "save_dots"])
+    assert "none est. 571.1 ms (0% of collective time synchronous, 39% exposed)" in caplog.text
+    choice, compiled = run({"none": sched(0.0, 571.1e3, remat.MAX_EXPOSED_SHARE)})  # at the threshold
+    assert (choice.policy, compiled) == ("none", ["none"])
     # held back and nothing after it fits: it runs
     peaks.update(save_dots=11, full=11)
     choice, compiled = run({"none": sched(0.5, 1433e3)})
@@ -145,9 +151,11 @@ def _module(exchange_async: bool) -> str:
 
 def test_schedule_of_reads_synchronous_transfer_and_the_estimated_step():
     """`remat.schedule_of` is the inspector's analysis of the HLO: a synchronous exchange is all of
-    the transfer time and adds its time to the estimated step; one with the GEMM under it, none."""
+    the transfer time, all exposed, and adds its time to the estimated step; one with the GEMM under
+    it is asynchronous and less exposed."""
     sync, hidden = (remat.schedule_of(_module(a), "h200") for a in (False, True))
     assert (sync.sync_share, hidden.sync_share) == (1.0, 0.0)
+    assert sync.exposed_share == 1.0 > hidden.exposed_share  # the GEMM covers part of the exchange
     assert sync.est_step_us > hidden.est_step_us > 0
 
 
