@@ -184,8 +184,8 @@ def _remat_auto_markdown(auto: dict[str, Any] | None) -> list[str]:
         return []
     tried = ", ".join(f"{p} {size_str(b)}" for p, b in auto["peaks"].items())
     compared = ", ".join(f"{p} {us / 1e3:.1f} ms" for p, us in (auto.get("est_step_us") or {}).items())
-    why = (f"; compared by estimated step, the first's schedule left synchronous by XLA: {compared}"
-           if compared else "")
+    why = (f"; compared by estimated step (the first a local-teacher candidate, or a schedule XLA left "
+           f"largely synchronous or exposed): {compared}" if compared else "")
     return [f"execution.remat=auto: {auto['policy']} (peak per device of each policy compiled: {tried}; "
             f"budget {size_str(auto['budget_bytes'])}{why}).", ""]
 

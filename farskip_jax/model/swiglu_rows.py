@@ -27,6 +27,10 @@ Kernels (`resolve_swiglu`, what `execution.expert_swiglu: auto` uses):
 - "xla": `jax.nn.silu(gate) * up`, every row (CPU, the padded and blocked grouped matmuls, which
   compute every row or give 0 past the groups).
 
+JAX 0.12 marks its Pallas Triton backend deprecated in favour of Mosaic GPU, which has no ROCm
+lowering: on gfx942 it is the one Pallas path (tokamax's attention kernel there uses it too); a
+Mosaic GPU version for Hopper would replace it there when it goes.
+
 Block sizes are powers of two (Triton's tile shapes) that divide the array: up to 128 rows x 128
 columns (DSV2-Lite's 1408-wide experts: 11 column blocks). Untuned: no GPU was available.
 
