@@ -3,8 +3,8 @@
 Why: an expert-parallel receive buffer is sized for twice the rows balanced routing delivers
 (`execution.moe_buffer_factor`, model/dispatch.py `moe_buffer`), and the grouped GEMMs around the
 activation compute only the rows in their groups. XLA's elementwise fusion between them cannot know
-the dynamic row count, so it reads and writes every static row: forward, backward and the
-and the teacher's forward: 30 ms of the 8-MI300X FCSD step's 390 ms of serial compute (est.,
+the dynamic row count, so it reads and writes every static row, in the forward, the backward and the
+teacher's forward: 30 ms of the 8-MI300X FCSD step's 390 ms of serial compute (est.,
 BENCHMARKS.md K29), half of it over rows that hold nothing. This Pallas kernel is given the number
 of rows in use and skips every block of rows past it, in both directions: 15 ms less there.
 
@@ -61,9 +61,10 @@ _MAX_BLOCK = 128
 def resolve_swiglu(mode: str, device: Any, matmul: str) -> SwigluKernel:
     """`execution.expert_swiglu` for the grouped matmul `matmul`. The kernel only runs between the
     grouped GEMMs that compute the rows in their groups (ragged, tokamax): "xla" with the others,
-    whatever the setting. There, "auto" is the kernel on Hopper and on gfx942 (MI300X, where its
-    Triton lowering finds the architecture), else "xla"; an explicit "pallas_triton" runs anywhere
-    (Pallas' interpreter on CPU)."""
+    whatever the setting. There, "auto" is the kernel on Hopper with tokamax's grouped GEMMs (the
+    bf16 / fp16 default; fp32 gets XLA's ragged_dot, a masked dense dot there, not compiled here
+    with the kernel) and on gfx942 (MI300X, where its Triton lowering finds the architecture), else
+    "xla"; an explicit "pallas_triton" runs anywhere (Pallas' interpreter on CPU)."""
     if mode not in SWIGLU_MODES:
         raise ValueError(f"expert_swiglu={mode!r}: expected one of {SWIGLU_MODES}")
     if matmul not in ("ragged", "tokamax"):
@@ -76,7 +77,7 @@ def resolve_swiglu(mode: str, device: Any, matmul: str) -> SwigluKernel:
             hopper = 9.0 <= float(getattr(device, "compute_capability", "0")) < 10.0
         except ValueError:
             hopper = False
-        return "pallas_triton" if hopper else "xla"
+        return "pallas_triton" if hopper and matmul == "tokamax" else "xla"
     if family == "rocm":
         from farskip_jax.model.attention_kernels import gfx942_triton_ready
 
