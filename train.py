@@ -105,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     from farskip_jax.train import trainer
 
     if args.precompute_teacher:
-        gap = trainer.precompute_teacher(cfg, args.precompute_teacher)
+        from farskip_jax.train.teacher_precompute import precompute_teacher
+
+        gap = precompute_teacher(cfg, args.precompute_teacher)
         if not distributed.is_main_process():
             return 0
         print("teacher cache written to", args.precompute_teacher)

@@ -14,7 +14,7 @@ _EXPORTS = {
     "LossSpec": "step", "make_eval_step": "step", "make_teacher_topk": "step", "make_train_step": "step",
     "StepShardings": "step", "TrainProgram": "program", "abstract_train_step": "program",
     "build_program": "program", "NonFiniteError": "trainer", "Trainer": "trainer",
-    "precompute_teacher": "trainer", "train": "trainer",
+    "precompute_teacher": "teacher_precompute", "train": "trainer",
 }
 __all__ = sorted(_EXPORTS)
 

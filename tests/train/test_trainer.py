@@ -19,6 +19,7 @@ import pytest
 from farskip_jax.config import load_config
 from farskip_jax.train import trainer as trainer_mod
 from farskip_jax.train.early_stop import EarlyStopper
+from farskip_jax.train.teacher_precompute import precompute_teacher
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 24
@@ -368,7 +369,7 @@ def test_expert_parallel_matches_single_device(cfg_for, tmp_path, reference):
 def test_teacher_cache(cfg_for, tmp_path):
     cfg = cfg_for(tmp_path / "cached", **{"train.total_steps": 3, "train.eval_every": 100,
                                                   "train.teacher_topk": 16})
-    gap = trainer_mod.precompute_teacher(cfg, str(tmp_path / "cache"))
+    gap = precompute_teacher(cfg, str(tmp_path / "cache"))
     print(f"teacher cache: full KL {gap['kl_full']:.4g}, top-16+tail KL {gap['kl_topk_tail']:.4g}, "
           f"rel diff {gap['rel_diff']:.3%}")
     assert gap["kl_topk_tail"] <= gap["kl_full"] * (1 + 1e-4) + 1e-9
