@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from farskip_jax.model.grouped_matmul import RAGGED_DW, RAGGED_DX, RAGGED_FWD, typed_like, vary_alike
+from farskip_jax.model.grouped_matmul import RAGGED_DW, RAGGED_DX, tokamax_ragged_dot, typed_like, vary_alike
 from farskip_jax.platforms import device_family, target_device
 
 # The pallas_call names: the inspector prices these kernels at the buffer's fill.
@@ -200,11 +200,8 @@ def swiglu_down(gate_rf: jax.Array, up_rf: jax.Array, w_down_gfd: jax.Array, siz
 @partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _swiglu_down(gate_rf: jax.Array, up_rf: jax.Array, w_down_gfd: jax.Array, sizes_g: jax.Array,
                  rows_1: jax.Array, implementation: str) -> jax.Array:
-    import tokamax  # imported on first use: the CPU paths never load it
-
-    h_rf = _call(_forward_body, KERNEL_NAMES[0], (rows_1, gate_rf, up_rf), (False,))[0]
-    y = tokamax.ragged_dot_general(h_rf, w_down_gfd, sizes_g, RAGGED_FWD, implementation=implementation)
-    return typed_like(y, gate_rf)
+    # the two ops' own forwards (their VJPs are not used: this op's backward is below)
+    return tokamax_ragged_dot(_swiglu(gate_rf, up_rf, rows_1), w_down_gfd, sizes_g, implementation)
 
 
 def _swiglu_down_fwd(gate_rf: jax.Array, up_rf: jax.Array, w_down_gfd: jax.Array, sizes_g: jax.Array,
