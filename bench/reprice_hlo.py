@@ -48,7 +48,7 @@ _MARKED = ("dot", "custom-call", "dynamic-slice", "dynamic-update-slice", "scatt
 def category(mod: HloModule, ins: Instr) -> str:  # type: ignore[valid-type]
     """opcode; custom calls by target; fusions by kind and which notable ops they contain."""
     if is_row_kernel(ins):
-        return "custom-call swiglu_rows (Triton, rows in use)"
+        return "custom-call swiglu_rows kernels (Triton, rows in use)"
     if ins.opcode == "custom-call":
         m = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
         return f"custom-call {m.group(1) if m else '?'}"
@@ -65,7 +65,7 @@ def coarse(cat: str) -> str:
     if "groupedMatmul" in cat or "mosaic_gpu" in cat:
         return "kernels: grouped GEMMs (MI300X hipBLASLt; H200 tokamax Mosaic, attention too)"
     if "swiglu_rows" in cat:
-        return "experts' activation kernel (Triton, rows in use)"
+        return "experts' row kernels: activation, transpose (Triton, rows in use)"
     if "triton" in cat:
         return "attention kernel (Triton)"
     if "matmul" in cat or "[dot]" in cat:

@@ -262,13 +262,13 @@ def has_exact_rows(ins: Instr, mod: HloModule | None = None) -> bool:
 
 
 # The names (`pallas_call(name=...)`, in each kernel's op_name) of the kernels `is_row_kernel` knows.
-ROW_KERNEL_NAMES = ("swiglu_rows_fwd", "swiglu_rows_bwd")
+ROW_KERNEL_NAMES = ("swiglu_rows_fwd", "swiglu_rows_bwd", "rows_transpose")
 
 
 def is_row_kernel(ins: Instr) -> bool:
     """A Pallas kernel that computes only the rows in the groups of a grouped GEMM's buffer (the
-    routed experts' activation, model/swiglu_rows.py): priced like the grouped GEMMs around it, at
-    ``CostModel``'s ``grouped_fill`` of its static rows."""
+    routed experts' activation, the transpose of the receive buffer's rows: model/swiglu_rows.py):
+    priced like the grouped GEMMs around it, at ``CostModel``'s ``grouped_fill`` of its static rows."""
     if ins.opcode != "custom-call":
         return False
     target = re.search(r'custom_call_target="([^"]*)"', ins.attrs)

@@ -102,32 +102,38 @@ def test_grouped_ffn_with_the_kernel_equals_xla() -> None:
         assert np.abs(a - b).max() <= 1e-6 * np.abs(a).max()
 
 
-def test_swiglu_down_equals_the_activation_then_tokamax() -> None:
-    """The activation and tokamax's down projection as one op (its own VJP: the backward kernel
-    writes the activation again, transposed, for the weight gradient) against the kernel-free
-    composition with JAX's autodiff, tokamax's XLA implementation on CPU: value, d gate, d up on the
-    rows in the groups and the weights' gradient, fp32 (<= 1e-6 relative; the unwritten rows past
-    the groups are NaN in the interpreter and reach nothing)."""
+def test_hopper_ops_equal_tokamax_and_the_activation_apart() -> None:
+    """Hopper's two ops, `gate_up` (gate and up one GEMM; its backward transposes the rows in use by
+    the kernel, input gradient unmasked) then `swiglu_down` (the activation and the down projection;
+    its backward kernel writes d gate and d up side by side and the activation transposed), against
+    three tokamax GEMMs and XLA's activation with JAX's autodiff, tokamax's XLA implementation on
+    CPU: value, the input gradient on the rows in the groups, all three weights' gradients, fp32
+    (<= 1e-6 relative; the kernels' unwritten rows past the groups are NaN in the interpreter and
+    reach nothing)."""
     from farskip_jax.model.grouped_matmul import tokamax_ragged_dot
 
     rng = np.random.default_rng(0)
     r, d, f, g = 256, 32, 48, 4
-    gate, up, _ = _inputs(r, f)
+    x = jnp.asarray(rng.normal(size=(r, d)), jnp.float32)
+    w_gate, w_up = (jnp.asarray(rng.normal(size=(g, d, f)) / np.sqrt(d), jnp.float32) for _ in range(2))
     w_down = jnp.asarray(rng.normal(size=(g, f, d)) / np.sqrt(f), jnp.float32)
     sizes = jnp.asarray([10, 0, 31, 29], jnp.int32)  # 70 rows in groups, an empty one
     ct = jnp.asarray(rng.normal(size=(r, d)), jnp.float32)
     in_groups = (jnp.arange(r) < 70)[:, None]
 
-    def plain(gate, up, w):
-        y = tokamax_ragged_dot(jax.nn.silu(gate) * up, w, sizes, implementation="xla")
+    def plain(x, wg, wu, wd):
+        gate = tokamax_ragged_dot(x, wg, sizes, implementation="xla")
+        up = tokamax_ragged_dot(x, wu, sizes, implementation="xla")
+        y = tokamax_ragged_dot(jax.nn.silu(gate) * up, wd, sizes, implementation="xla")
         return jnp.sum(jnp.where(in_groups, y * ct, 0.0))
 
-    def fused(gate, up, w):
-        y = sr.swiglu_down(gate, up, w, sizes, implementation="xla")
+    def hopper(x, wg, wu, wd):
+        gu = sr.gate_up(x, wg, wu, sizes, implementation="xla")
+        y = sr.swiglu_down(gu, wd, sizes, implementation="xla")
         return jnp.sum(jnp.where(in_groups, y * ct, 0.0))
 
-    want = jax.value_and_grad(plain, argnums=(0, 1, 2))(gate, up, w_down)
-    got = jax.jit(jax.value_and_grad(fused, argnums=(0, 1, 2)))(gate, up, w_down)
+    want = jax.value_and_grad(plain, argnums=(0, 1, 2, 3))(x, w_gate, w_up, w_down)
+    got = jax.jit(jax.value_and_grad(hopper, argnums=(0, 1, 2, 3)))(x, w_gate, w_up, w_down)
     assert abs(float(got[0]) - float(want[0])) <= 1e-6 * abs(float(want[0]))
     for a, b in zip(want[1], got[1], strict=True):
         a, b = np.asarray(a), np.asarray(b)
@@ -135,6 +141,18 @@ def test_swiglu_down_equals_the_activation_then_tokamax() -> None:
             a, b = a[:70], b[:70]
         assert np.isfinite(b).all()
         assert np.abs(a - b).max() <= 1e-6 * np.abs(a).max()
+
+
+@pytest.mark.parametrize("rows", [0, 1, 128, 200, 512])
+def test_transpose_kernel_writes_the_blocks_in_use(rows: int) -> None:
+    """`gate_up`'s backward transposes its rows by the kernel: every 128-row block that starts before
+    the row count is the exact transpose, every block past it unwritten (NaN in the interpreter)."""
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(512, 256)), jnp.bfloat16)
+    x_t = np.asarray(sr._call(sr._transpose_body, sr.KERNEL_NAMES[2], jnp.asarray([rows], jnp.int32),
+                              ((x, "rf"),), ("fr",))[0], np.float32)
+    written = -(-rows // 128) * 128
+    np.testing.assert_array_equal(x_t[:, :written], np.asarray(x, np.float32).T[:, :written])
+    assert np.isnan(x_t[:, written:]).all()
 
 
 def test_resolution() -> None:
@@ -161,11 +179,14 @@ def test_resolution() -> None:
     assert sr.resolve_swiglu("auto", Device("8.0"), "tokamax") == "xla"  # not compiled here
 
 
-def test_h200_runs_the_kernel_and_transposes_nothing() -> None:
+def test_h200_runs_the_kernels_and_no_op_passes_over_the_whole_buffer() -> None:
     """Deviceless Hopper, `expert_swiglu: auto` with tokamax's grouped GEMMs, one tiny EP=8 MoE
-    layer, forward and backward: both kernels over the receive buffer's rows, the backward's third
-    output [F, R] read as it lies by tokamax's weight-gradient kernel (no transpose of the
-    activation anywhere: with the activation and the GEMM apart there was one, K29)."""
+    layer, forward and backward: the activation's kernels and the transpose kernel over the receive
+    buffer's rows; tokamax's weight-gradient kernels read the two transposed results ([F, R]
+    activation, [D, R] rows) as they lie; and no XLA op transposes, copies or adds over a whole
+    [R, D] or [R, F] buffer (with the activation and the GEMM apart there was a transpose of the
+    activation, K29; with gate and up two GEMMs an add of their input gradients and a transpose of
+    the rows, K30)."""
     pytest.importorskip("jax_plugins.xla_cuda13", reason="jax-cuda13-pjrt not installed")
     import re
 
@@ -179,15 +200,17 @@ def test_h200_runs_the_kernel_and_transposes_nothing() -> None:
     from farskip_jax.xla import aot
 
     mesh = aot.make_target_mesh("h200", {"data": 1, "expert": 8, "tensor": 1})
-    tiny = load_config("tiny", {"model.n_routed_experts": 16, "model.dtype": "bfloat16"})
+    # F = 64 and D = 32: no buffer shape of one is the other's, nor 2F's (tokamax: N a multiple of 64)
+    tiny = load_config("tiny", {"model.n_routed_experts": 16, "model.dtype": "bfloat16",
+                                "model.moe_intermediate_size": 64})
     cfg, exe = tiny.model, tiny.execution
+    d, f = cfg.hidden_size, cfg.moe_intermediate_size
     graphdef, state = nnx.split(MoE(cfg, nnx.Rngs(0), exe=exe), nnx.Param)
     par = ExpertParallel(mesh)
     specs = jax.tree_util.tree_map_with_path(
         lambda path, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(
             mesh, P("expert") if "experts" in jax.tree_util.keystr(path) else P())), state)
-    x = jax.ShapeDtypeStruct((16, 32, cfg.hidden_size), jnp.bfloat16,
-                             sharding=NamedSharding(mesh, P(("data", "expert"))))
+    x = jax.ShapeDtypeStruct((16, 32, d), jnp.bfloat16, sharding=NamedSharding(mesh, P(("data", "expert"))))
 
     def loss(s, x):
         shared, routed, _ = nnx.merge(graphdef, s)(x, par.routed_fn)
@@ -195,14 +218,20 @@ def test_h200_runs_the_kernel_and_transposes_nothing() -> None:
 
     hlo = aot.compile_scheduled_hlo(jax.jit(jax.grad(loss, argnums=(0, 1))), specs, x, target="h200").hlo_text
     calls = re.findall(r'custom_call_target="__gpu\$xla\.gpu\.triton"[^\n]*?'
-                       r'op_name="[^"]*[/(](swiglu_rows_\w+)[/)]', hlo)
-    assert sorted(set(calls)) == ["swiglu_rows_bwd", "swiglu_rows_fwd"], calls
-    rows = int(re.search(r"= bf16\[(\d+),16\]\S* custom-call\([^\n]*swiglu_rows_fwd", hlo).group(1))
-    activation_t = f"bf16[16,{rows}]"  # F = 16 (the tiny config's experts), R = the receive rows
-    assert not re.findall(rf"= {re.escape(activation_t)}\S* (?:transpose|fusion|copy)\(", hlo)
-    taken = re.search(rf"%([\w.\-]+) = {re.escape(activation_t)}\S* get-tuple-element\(%([\w.\-]+)\)", hlo)
-    assert taken is not None and re.search(rf"%{re.escape(taken.group(2))} = [^\n]*swiglu_rows_bwd", hlo)
-    assert re.search(rf"custom-call\([^\n]*%{re.escape(taken.group(1))}[,)][^\n]*mosaic_gpu_v2", hlo)
+                       r'op_name="[^"]*[/(]((?:swiglu_rows|rows)_\w+)[/)]', hlo)
+    assert sorted(set(calls)) == ["rows_transpose", "swiglu_rows_bwd", "swiglu_rows_fwd"], calls
+    rows = int(re.search(rf"= bf16\[(\d+),{f}\]\S* custom-call\([^\n]*swiglu_rows_fwd", hlo).group(1))
+    for t, kernel in ((f"bf16[{f},{rows}]", "swiglu_rows_bwd"), (f"bf16[{d},{rows}]", "rows_transpose")):
+        # made by the kernel only, and read as it lies by tokamax's kernel
+        assert not re.findall(rf"= {re.escape(t)}\S* (?:transpose|fusion|copy)\(", hlo), t
+        taken = re.search(rf"%([\w.\-]+) = {re.escape(t)}\S* "
+                          rf"(?:get-tuple-element\(%([\w.\-]+)\)|custom-call)", hlo)
+        assert taken is not None, t
+        made = taken.group(2) or taken.group(1)
+        assert re.search(rf"%{re.escape(made)} = [^\n]*{kernel}", hlo), t
+        assert re.search(rf"custom-call\([^\n]*%{re.escape(taken.group(1))}[,)][^\n]*mosaic_gpu_v2", hlo), t
+    for shape in (f"bf16[{rows},{d}]", f"bf16[{rows},{f}]", f"bf16[{rows},{2 * f}]"):
+        assert not re.findall(rf"= {re.escape(shape)}\S* (?:transpose|fusion|copy|add|select)\(", hlo), shape
 
 
 ROCM_SCRIPT = r"""

@@ -112,7 +112,8 @@ def nan_scratch_rows(rows: int, like: jax.Array, dep: jax.Array) -> jax.Array:
     return jnp.broadcast_to(nan, (rows, like.shape[-1]))
 
 
-def emulated_swiglu_call(body, name: str, inputs: tuple[jax.Array, ...], n_out: int) -> tuple[jax.Array, ...]:
+def emulated_swiglu_call(body, name: str, rows_1: jax.Array, operands: tuple, results: tuple
+                         ) -> tuple[jax.Array, ...]:
     """`model.swiglu_rows._call` in jnp, for a shard_map on CPU: Pallas' interpreter cannot run
     inside one (its block slices index varying arrays with invariant program ids, which the shard_map
     type check refuses). The kernels' math (fp32, rounded once) on the blocks of rows the kernel
@@ -120,18 +121,31 @@ def emulated_swiglu_call(body, name: str, inputs: tuple[jax.Array, ...], n_out: 
     held them). The kernels themselves are checked against XLA in tests/model/test_swiglu_rows.py."""
     from farskip_jax.model import swiglu_rows
 
-    rows_1, gate, up = inputs[:3]
-    block_r, _ = swiglu_rows._blocks(*gate.shape)
-    g, u = gate.astype(jnp.float32), up.astype(jnp.float32)
-    s = jax.nn.sigmoid(g)
-    if name == swiglu_rows.KERNEL_NAMES[0]:
-        outs = (g * s * u,)
+    arrays = [a for a, _ in operands]
+    if name == swiglu_rows.KERNEL_NAMES[2]:  # the rows transposed: [R, D] -> [D, R]
+        (x,) = arrays
+        block_r, _ = swiglu_rows._blocks(*x.shape)
+        outs, gate = (x,), x
     else:
-        dh = inputs[3].astype(jnp.float32)
-        outs = (dh * u * s * (1.0 + g * (1.0 - s)), dh * g * s)
+        if operands[0][1] == "r2f":
+            gate, up = jnp.split(arrays[0], 2, axis=-1)
+            rest = arrays[1:]
+        else:
+            gate, up, *rest = arrays
+        block_r, _ = swiglu_rows._blocks(*gate.shape)
+        g, u = gate.astype(jnp.float32), up.astype(jnp.float32)
+        s = jax.nn.sigmoid(g)
+        if name == swiglu_rows.KERNEL_NAMES[0]:
+            outs = (g * s * u,)
+        else:
+            dh = rest[0].astype(jnp.float32)
+            dgate, dup = dh * u * s * (1.0 + g * (1.0 - s)), dh * g * s
+            outs = ((jnp.concatenate([dgate, dup], -1),) if results[0] == "r2f" else (dgate, dup))
+            outs += (g * s * u,) if "fr" in results else ()
     first_r = jnp.arange(gate.shape[0], dtype=jnp.int32) // block_r * block_r
     written = (first_r < rows_1[0])[:, None]
-    return tuple(jnp.where(written, o, jnp.nan).astype(gate.dtype) for o in outs)
+    outs = tuple(jnp.where(written, o, jnp.nan).astype(gate.dtype) for o in outs)
+    return tuple(o.T if lay == "fr" else o for o, lay in zip(outs, results, strict=True))
 
 
 def count_ops(hlo_text: str, opcode: str) -> int:
