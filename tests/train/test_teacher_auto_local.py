@@ -105,7 +105,11 @@ def _losses(out):
     return [r["loss"] for r in rows if r["kind"] == "train"]
 
 
-# ~30 s on the CI machine (three compiles of the EP8 FCSD step on 8 host devices, 2 steps each)
+# `slow` (CI time: 53 s, three compiles of the EP8 FCSD step on 8 host devices, 2 steps each). The
+# default suite keeps the search's choices above, a local teacher's step exchanging nothing
+# (tests/train/test_teacher_in_node.py) and `inspect`'s auto picking the local teacher
+# (tests/inspect/test_cli.py::test_clean_environment_h200_fcsd).
+@pytest.mark.slow
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices")
 def test_the_trainer_puts_the_teacher_on_every_device_where_it_fits(tiny_data, overrides, tmp_path):
     """EP8, `execution.remat: none` with a budget (`remat_budget_gib`). A large budget: the local
