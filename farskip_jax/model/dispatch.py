@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from farskip_jax.config import ExecutionConfig, ModelConfig
 from farskip_jax.model import schedule
 from farskip_jax.model.grouped_matmul import blocked_matmul, group_of_rows, tokamax_ragged_dot
-from farskip_jax.model.swiglu_rows import SwigluKernel, gate_up, swiglu_down, swiglu_rows
+from farskip_jax.model.swiglu_rows import SwigluKernel, swiglu_ffn, swiglu_rows
 from farskip_jax.platforms import device_family
 
 ExpertMatmul = Literal["ragged", "tokamax", "padded", "blocked"]
@@ -297,10 +297,9 @@ def grouped_ffn(x_rd: jax.Array, starts_g: jax.Array, w_gate: jax.Array, w_up: j
 
     "ragged" / "tokamax": three jax.lax.ragged_dot / tokamax_ragged_dot over the sorted rows (the groups
     start at row 0: `starts_g[0] == 0`), the activation between them by `swiglu`
-    (model/swiglu_rows.py: "pallas_triton" computes only the rows in the groups; with tokamax gate
-    and up are one GEMM, `gate_up`, and the activation and the down projection one op,
-    `swiglu_down`). "blocked": three blocked_matmul (model/grouped_matmul.py, blocks of real rows in
-    a loop; rows past the last group give 0).
+    (model/swiglu_rows.py: "pallas_triton" computes only the rows in the groups; with tokamax the
+    three GEMMs and the kernels are one op, `swiglu_ffn`). "blocked": three blocked_matmul
+    (model/grouped_matmul.py, blocks of real rows in a loop; rows past the last group give 0).
     "padded": each row placed at its (group, position in group) of a [G, C, D] buffer (C =
     `rows_per_group`, the most a group can hold), a batched einsum, and the results gathered back
     (`padded_ffn`). The placement is a scatter of the R rows rather than a gather of G*C slots, so
@@ -313,7 +312,7 @@ def grouped_ffn(x_rd: jax.Array, starts_g: jax.Array, w_gate: jax.Array, w_up: j
         dot = jax.lax.ragged_dot if matmul == "ragged" else tokamax_ragged_dot
         sizes_g = jnp.diff(starts_g)
         if matmul == "tokamax" and swiglu == "pallas_triton":  # no pass over the whole buffer: swiglu_rows
-            return swiglu_down(gate_up(x_rd, wg, wu, sizes_g), wd, sizes_g)
+            return swiglu_ffn(x_rd, wg, wu, wd, sizes_g)
         gate, up = dot(x_rd, wg, sizes_g), dot(x_rd, wu, sizes_g)
         return dot(swiglu_rows(gate, up, starts_g[-1], swiglu), wd, sizes_g)
     if matmul == "blocked":

@@ -19,13 +19,13 @@ Kernels (`resolve_swiglu`, what `execution.expert_swiglu: auto` uses):
 - "pallas_triton": JAX's Pallas Triton backend, lowered to XLA's built-in Triton (the
   `__gpu$xla.gpu.triton` custom call; no triton package), on gfx942 (MI300X: the same device
   description as the fused attention, model/attention_kernels.py) and Hopper. On Hopper
-  tokamax's three grouped GEMMs and the kernels are two ops, so that no XLA op passes over the whole
-  buffer: `gate_up` (gate and up one GEMM, their weights side by side) and `swiglu_down` (the
-  activation and the down projection). tokamax's weight-gradient kernel reads its rows transposed:
-  XLA transposed the activation (6.0 ms per 8-H200 step, which ate the kernel's gain: K29) and the
-  receive buffer over every row, and added the two GEMMs' input gradients there. Now the backward
-  kernel writes the activation transposed and d gate, d up side by side, and a third kernel
-  transposes the receive buffer's rows, all over the rows in use (K30). On CPU the kernels run in
+  tokamax's three grouped GEMMs and the kernels are one op (`swiglu_ffn`), so that no XLA op passes
+  over the whole buffer: tokamax's weight-gradient kernel reads its rows transposed, and XLA
+  transposed the activation (6.0 ms per 8-H200 step, which ate the kernel's gain: K29) and the
+  receive buffer over every row, and added the gate and up GEMMs' input gradients there. Its
+  backward kernel writes the activation transposed and d gate, d up side by side (one GEMM's input
+  for the input gradient), and a third kernel transposes the receive buffer's rows, all over the
+  rows in use (K30). On CPU the kernels run in
   Pallas' interpreter, which leaves the unwritten rows NaN: how the tests check that no consumer
   reads them.
 - "xla": `jax.nn.silu(gate) * up`, every row (CPU, the padded and blocked grouped matmuls, which
@@ -107,23 +107,21 @@ def _blocks(rows: int, cols: int) -> tuple[int, int]:
     return largest(rows), largest(cols)
 
 
-# How a kernel's operands and results lie, tiled over (row block, column block) programs: "rf" [R, F];
-# "r2f" gate and up side by side, [R, 2F] (one tile of each in a program's [rows, 2, columns] block of
-# its [R, 2, F] view, a bitcast); "fr" [F, R], the tile transposed.
+# How a kernel's results lie, tiled over (row block, column block) programs (its operands are [R, F]):
+# "rf" [R, F]; "r2f" two [R, F] results side by side, [R, 2F] (a program writes one tile of each into
+# its [rows, 2, columns] block of the [R, 2, F] view, a bitcast); "fr" [F, R], the tile transposed.
 Layout = Literal["rf", "r2f", "fr"]
 
 
-def _call(body: Any, name: str, rows_1: jax.Array, operands: tuple[tuple[jax.Array, Layout], ...],
+def _call(body: Any, name: str, rows_1: jax.Array, operands: tuple[jax.Array, ...],
           results: tuple[Layout, ...]) -> tuple[jax.Array, ...]:
     """`body(rows_ref, *operand_refs, *result_refs, block_r=...)` over the (row block, column block)
-    programs of the first operand's R x F (rows_1: the row count, int32 [1]). Results in the first
-    operand's dtype."""
-    first, first_layout = operands[0]
-    r, f = {"rf": first.shape, "r2f": (first.shape[0], first.shape[1] // 2),
-            "fr": first.shape[::-1]}[first_layout]
+    programs of the operands' R x F (rows_1: the row count, int32 [1]). Results in the operands'
+    dtype."""
+    r, f = operands[0].shape
     block_r, block_f = _blocks(r, f)
-    specs = {"rf": pl.BlockSpec((block_r, block_f), lambda i, j: (i, j)),
-             "r2f": pl.BlockSpec((block_r, 2, block_f), lambda i, j: (i, 0, j)),
+    tile = pl.BlockSpec((block_r, block_f), lambda i, j: (i, j))
+    specs = {"rf": tile, "r2f": pl.BlockSpec((block_r, 2, block_f), lambda i, j: (i, 0, j)),
              "fr": pl.BlockSpec((block_f, block_r), lambda i, j: (j, i))}
     shapes = {"rf": (r, f), "r2f": (r, 2, f), "fr": (f, r)}
     interpret = device_family(target_device()) == "cpu"  # Pallas' interpreter: the CPU tests
@@ -133,54 +131,48 @@ def _call(body: Any, name: str, rows_1: jax.Array, operands: tuple[tuple[jax.Arr
 
         params["compiler_params"] = pl_triton.CompilerParams(num_warps=4, num_stages=1)
     # inside a shard_map the results vary over the mesh axes the (alike-cast) inputs vary over
-    mat = jax.typeof(first).manual_axis_type
+    mat = jax.typeof(operands[0]).manual_axis_type
     out = pl.pallas_call(
         partial(body, block_r=block_r), name=name, grid=(r // block_r, f // block_f),
-        in_specs=[pl.BlockSpec((1,), lambda i, j: (0,))] + [specs[lay] for _, lay in operands],
+        in_specs=[pl.BlockSpec((1,), lambda i, j: (0,))] + [tile] * len(operands),
         out_specs=[specs[lay] for lay in results], interpret=interpret, **params,
-        out_shape=[jax.ShapeDtypeStruct(shapes[lay], first.dtype, manual_axis_type=mat) for lay in results],
-    )(rows_1, *(a.reshape(shapes[lay]) for a, lay in operands))
+        out_shape=[jax.ShapeDtypeStruct(shapes[lay], operands[0].dtype, manual_axis_type=mat)
+                   for lay in results],
+    )(rows_1, *operands)
     return tuple(o.reshape(r, 2 * f) if lay == "r2f" else o for o, lay in zip(out, results, strict=True))
 
 
-def _gate_up(refs: tuple[Any, ...], fused: bool) -> tuple[jax.Array, jax.Array, tuple[Any, ...]]:
-    """gate and up tiles in fp32 from the leading operand refs (one "r2f" ref when `fused`, else two
-    "rf" refs), and the refs after them."""
-    if fused:
-        return refs[0][:, 0, :].astype(jnp.float32), refs[0][:, 1, :].astype(jnp.float32), refs[1:]
-    return refs[0][...].astype(jnp.float32), refs[1][...].astype(jnp.float32), refs[2:]
-
-
-def _forward_body(rows_ref: Any, *refs: Any, block_r: int, fused: bool) -> None:
-    """gate and up (fused: side by side) -> the activation."""
+def _forward_body(rows_ref: Any, gate_ref: Any, up_ref: Any, h_ref: Any, *, block_r: int) -> None:
     @pl.when(pl.program_id(0) * block_r < rows_ref[0])
     def _() -> None:
-        g, u, (h_ref,) = _gate_up(refs, fused)
-        h_ref[...] = (g * jax.nn.sigmoid(g) * u).astype(h_ref.dtype)
+        g = gate_ref[...].astype(jnp.float32)
+        h_ref[...] = (g * jax.nn.sigmoid(g) * up_ref[...].astype(jnp.float32)).astype(h_ref.dtype)
 
 
-def _backward_body(rows_ref: Any, *refs: Any, block_r: int, fused: bool, transposed: bool) -> None:
-    """gate and up (fused: side by side), d h -> d gate and d up (fused: side by side, one result);
-    with `transposed`, also the activation again as [F, R] tiles, bit for bit the forward's (the
-    same fp32 ops in the same order)."""
+def _backward_body(rows_ref: Any, gate_ref: Any, up_ref: Any, dh_ref: Any, *out_refs: Any, block_r: int,
+                   side_by_side: bool, transposed: bool) -> None:
+    """d gate and d up: two results, or one with the two side by side ("r2f"); with `transposed`,
+    also the activation again as [F, R] tiles, bit for bit the forward's (the same fp32 ops in the
+    same order)."""
     @pl.when(pl.program_id(0) * block_r < rows_ref[0])
     def _() -> None:
-        g, u, (dh_ref, *out_refs) = _gate_up(refs, fused)
+        g = gate_ref[...].astype(jnp.float32)
+        u = up_ref[...].astype(jnp.float32)
         dh = dh_ref[...].astype(jnp.float32)
         s = jax.nn.sigmoid(g)
         silu = g * s
         # d silu / dg = s + g s (1 - s) = s (1 + g (1 - s))
         dgate, dup = dh * u * s * (1.0 + g * (1.0 - s)), dh * silu
-        if fused:
-            d_ref, *out_refs = out_refs
+        if side_by_side:
+            d_ref, *rest = out_refs
             d_ref[:, 0, :] = dgate.astype(d_ref.dtype)
             d_ref[:, 1, :] = dup.astype(d_ref.dtype)
         else:
-            dgate_ref, dup_ref, *out_refs = out_refs
+            dgate_ref, dup_ref, *rest = out_refs
             dgate_ref[...] = dgate.astype(dgate_ref.dtype)
             dup_ref[...] = dup.astype(dup_ref.dtype)
         if transposed:
-            out_refs[0][...] = (silu * u).astype(out_refs[0].dtype).T
+            rest[0][...] = (silu * u).astype(rest[0].dtype).T
 
 
 def _transpose_body(rows_ref: Any, x_ref: Any, xt_ref: Any, *, block_r: int) -> None:
@@ -191,8 +183,7 @@ def _transpose_body(rows_ref: Any, x_ref: Any, xt_ref: Any, *, block_r: int) -> 
 
 @jax.custom_vjp
 def _swiglu(gate_rf: jax.Array, up_rf: jax.Array, rows_1: jax.Array) -> jax.Array:
-    return _call(partial(_forward_body, fused=False), KERNEL_NAMES[0], rows_1,
-                 ((gate_rf, "rf"), (up_rf, "rf")), ("rf",))[0]
+    return _call(_forward_body, KERNEL_NAMES[0], rows_1, (gate_rf, up_rf), ("rf",))[0]
 
 
 def _swiglu_fwd(gate_rf: jax.Array, up_rf: jax.Array, rows_1: jax.Array
@@ -204,8 +195,8 @@ def _swiglu_bwd(res: tuple[jax.Array, jax.Array, jax.Array], dh_rf: jax.Array
                 ) -> tuple[jax.Array, jax.Array, np.ndarray]:
     gate_rf, up_rf, rows_1 = res
     dh_rf = dh_rf.astype(gate_rf.dtype)
-    dgate, dup = _call(partial(_backward_body, fused=False, transposed=False), KERNEL_NAMES[1], rows_1,
-                       ((gate_rf, "rf"), (up_rf, "rf"), (dh_rf, "rf")), ("rf", "rf"))
+    dgate, dup = _call(partial(_backward_body, side_by_side=False, transposed=False), KERNEL_NAMES[1],
+                       rows_1, (gate_rf, up_rf, dh_rf), ("rf", "rf"))
     return dgate, dup, np.zeros(rows_1.shape, jax.dtypes.float0)
 
 
@@ -213,109 +204,78 @@ _swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 # ---------------------------------------------------------------------------------------------------
-# Hopper: tokamax's three grouped GEMMs with the kernels, as two ops that touch only the rows in use
+# Hopper: tokamax's three grouped GEMMs and the kernels as one op that touches only the rows in use
 
 
-def _rows_1(sizes_g: jax.Array) -> jax.Array:
-    return jnp.sum(sizes_g, dtype=jnp.int32).reshape(1)
+def swiglu_ffn(x_rd: jax.Array, w_gate_gdf: jax.Array, w_up_gdf: jax.Array, w_down_gfd: jax.Array,
+               sizes_g: jax.Array, implementation: str = "mosaic") -> jax.Array:
+    """[R, D]: (silu(x Wg) * (x Wu)) Wd of each group's rows with that group's weights, tokamax's
+    grouped GEMMs and the kernel between them; rows past the groups are unspecified.
 
-
-def gate_up(x_rd: jax.Array, w_gate_gdf: jax.Array, w_up_gdf: jax.Array, sizes_g: jax.Array,
-            implementation: str = "mosaic") -> jax.Array:
-    """[R, 2F]: each group's rows times its [w_gate | w_up], one tokamax grouped GEMM; gate and up
-    side by side as `swiglu_down` reads them. Rows past the groups are unspecified.
-
-    Why one op (with the weights side by side): with gate and up two GEMMs, XLA added their input
-    gradients and tokamax's VJP masked them past the groups, one pass over the whole [R, D] buffer,
-    and tokamax's weight-gradient kernel reads its rows transposed, which XLA did over the whole
-    buffer too (together ~0.9 ms per DSV2-Lite layer at EP8, est.). Here the input gradient is one
-    GEMM, not masked (only the exchange's reverse reads it, and only the rows it sent: K27), and the
-    rows are transposed by a kernel that skips the blocks past the groups.
-    `implementation`: tokamax's ("xla" runs anywhere: the CPU tests)."""
-    w_gu_gdf = jnp.concatenate([w_gate_gdf, w_up_gdf], axis=-1)
-    sizes_g = jnp.asarray(sizes_g, jnp.int32)
-    x_rd, w_gu_gdf, sizes_g, rows_1 = vary_alike(x_rd, w_gu_gdf, sizes_g, _rows_1(sizes_g))
-    return _gate_up_op(x_rd, w_gu_gdf, sizes_g, rows_1, implementation)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _gate_up_op(x_rd: jax.Array, w_gu_gdf: jax.Array, sizes_g: jax.Array, rows_1: jax.Array,
-                implementation: str) -> jax.Array:
-    return tokamax_ragged_dot(x_rd, w_gu_gdf, sizes_g, implementation)
-
-
-def _gate_up_fwd(x_rd: jax.Array, w_gu_gdf: jax.Array, sizes_g: jax.Array, rows_1: jax.Array,
-                 implementation: str) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    return _gate_up_op(x_rd, w_gu_gdf, sizes_g, rows_1, implementation), (x_rd, w_gu_gdf, sizes_g, rows_1)
-
-
-def _gate_up_bwd(implementation: str, res: tuple[jax.Array, ...], dgu_rf: jax.Array
-                 ) -> tuple[jax.Array | np.ndarray, ...]:
-    import tokamax
-
-    x_rd, w_gu_gdf, sizes_g, rows_1 = res
-    dx = tokamax.ragged_dot_general(dgu_rf, w_gu_gdf, sizes_g, RAGGED_DX, implementation=implementation,
-                                    preferred_element_type=x_rd.dtype)
-    x_dr = _call(_transpose_body, KERNEL_NAMES[2], rows_1, ((x_rd, "rf"),), ("fr",))[0]
-    # tokamax transposes its weight gradient's rows to [D, R] first: the transpose of a transpose is
-    # no op for XLA, so the kernel's [D, R] result is read as it lies.
-    dw = tokamax.ragged_dot_general(x_dr.T, dgu_rf, sizes_g, RAGGED_DW, implementation=implementation,
-                                    preferred_element_type=w_gu_gdf.dtype)
-    return (typed_like(dx, x_rd), typed_like(dw, w_gu_gdf), np.zeros(sizes_g.shape, jax.dtypes.float0),
-            np.zeros(rows_1.shape, jax.dtypes.float0))
-
-
-_gate_up_op.defvjp(_gate_up_fwd, _gate_up_bwd)
-
-
-def swiglu_down(gu_rf: jax.Array, w_down_gfd: jax.Array, sizes_g: jax.Array,
-                implementation: str = "mosaic") -> jax.Array:
-    """[R, D]: silu(gate) * up (the kernel, rows in the groups; gate and up side by side as
-    `gate_up` writes them) times each group's down projection, tokamax's grouped GEMM. Rows past the
-    groups are unspecified.
-
-    Why one op: tokamax's weight-gradient kernel reads its rows transposed ([F, R]), and with the
-    activation and the GEMM apart, the backward pass (or the forward's saved activation) fed it
-    through a transpose of the whole buffer. Here the forward keeps gate and up only (which the
-    activation's gradient needs anyway: the [R, F] activation is not saved), and the backward's one
-    kernel writes d gate and d up side by side (`gate_up`'s gradient, one GEMM's input) and the
-    activation again, transposed, over the rows in use. The input gradient of the GEMM is not masked
-    past the groups: only the kernel reads it.
+    Why one op: tokamax's weight-gradient kernel reads its rows transposed, and with the GEMMs and
+    the activation apart XLA transposed the activation (6.0 ms per 8-H200 step, K29) and the receive
+    buffer over every row, added the gate and up GEMMs' input gradients over every row and masked
+    them past the groups (the backward's passes over the whole [R, D] buffer, K30). Here:
+    - the forward runs gate and up as two GEMMs (the frozen teacher, forward only, never joins the
+      weights) and saves gate and up, not the activation (0.55 GB per layer at EP8);
+    - the backward kernel writes d gate and d up side by side, [R, 2F], and the activation again,
+      transposed ([F, R]), over the rows in use; the input gradient is one GEMM of that against the
+      two weights side by side (joined in the backward only), not masked past the groups (only the
+      exchange's reverse reads it, and only the rows it sent: K27); the rows are transposed for the
+      weight gradient by a kernel that skips the blocks past the groups.
     `implementation`: tokamax's ("xla" runs anywhere: the CPU tests)."""
     sizes_g = jnp.asarray(sizes_g, jnp.int32)
-    gu_rf, w_down_gfd, sizes_g, rows_1 = vary_alike(gu_rf, w_down_gfd, sizes_g, _rows_1(sizes_g))
-    return _swiglu_down(gu_rf, w_down_gfd, sizes_g, rows_1, implementation)
+    args = vary_alike(x_rd, w_gate_gdf, w_up_gdf, w_down_gfd, sizes_g,
+                      jnp.sum(sizes_g, dtype=jnp.int32).reshape(1))
+    return _swiglu_ffn(*args, implementation)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _swiglu_down(gu_rf: jax.Array, w_down_gfd: jax.Array, sizes_g: jax.Array, rows_1: jax.Array,
-                 implementation: str) -> jax.Array:
-    h_rf = _call(partial(_forward_body, fused=True), KERNEL_NAMES[0], rows_1, ((gu_rf, "r2f"),), ("rf",))[0]
-    return tokamax_ragged_dot(h_rf, w_down_gfd, sizes_g, implementation)  # its forward only (VJP below)
+def _ffn_forward(x_rd: jax.Array, w_gate_gdf: jax.Array, w_up_gdf: jax.Array, w_down_gfd: jax.Array,
+                 sizes_g: jax.Array, rows_1: jax.Array, implementation: str
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    # tokamax_ragged_dot's forwards (their VJPs are not used: this op's backward is below)
+    gate = tokamax_ragged_dot(x_rd, w_gate_gdf, sizes_g, implementation)
+    up = tokamax_ragged_dot(x_rd, w_up_gdf, sizes_g, implementation)
+    h = _call(_forward_body, KERNEL_NAMES[0], rows_1, (gate, up), ("rf",))[0]
+    return tokamax_ragged_dot(h, w_down_gfd, sizes_g, implementation), gate, up
 
 
-def _swiglu_down_fwd(gu_rf: jax.Array, w_down_gfd: jax.Array, sizes_g: jax.Array, rows_1: jax.Array,
-                     implementation: str) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    y = _swiglu_down(gu_rf, w_down_gfd, sizes_g, rows_1, implementation)
-    return y, (gu_rf, w_down_gfd, sizes_g, rows_1)
+@partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _swiglu_ffn(x_rd: jax.Array, w_gate_gdf: jax.Array, w_up_gdf: jax.Array, w_down_gfd: jax.Array,
+                sizes_g: jax.Array, rows_1: jax.Array, implementation: str) -> jax.Array:
+    return _ffn_forward(x_rd, w_gate_gdf, w_up_gdf, w_down_gfd, sizes_g, rows_1, implementation)[0]
 
 
-def _swiglu_down_bwd(implementation: str, res: tuple[jax.Array, ...], dy_rd: jax.Array
-                     ) -> tuple[jax.Array | np.ndarray, ...]:
+def _swiglu_ffn_fwd(x_rd: jax.Array, w_gate_gdf: jax.Array, w_up_gdf: jax.Array, w_down_gfd: jax.Array,
+                    sizes_g: jax.Array, rows_1: jax.Array, implementation: str
+                    ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    y, gate, up = _ffn_forward(x_rd, w_gate_gdf, w_up_gdf, w_down_gfd, sizes_g, rows_1, implementation)
+    return y, (x_rd, gate, up, w_gate_gdf, w_up_gdf, w_down_gfd, sizes_g, rows_1)
+
+
+def _swiglu_ffn_bwd(implementation: str, res: tuple[jax.Array, ...], dy_rd: jax.Array
+                    ) -> tuple[jax.Array | np.ndarray, ...]:
     import tokamax
 
-    gu_rf, w_down_gfd, sizes_g, rows_1 = res
-    dh_rf = tokamax.ragged_dot_general(dy_rd, w_down_gfd, sizes_g, RAGGED_DX, implementation=implementation,
-                                       preferred_element_type=gu_rf.dtype)
-    dh_rf = typed_like(dh_rf, gu_rf)
-    dgu, h_fr = _call(partial(_backward_body, fused=True, transposed=True), KERNEL_NAMES[1], rows_1,
-                      ((gu_rf, "r2f"), (dh_rf, "rf")), ("r2f", "fr"))
-    # tokamax transposes its weight gradient's rows to [F, R] first: the transpose of a transpose
-    # is no op for XLA, so the kernel's [F, R] output is read as it lies.
-    dw = tokamax.ragged_dot_general(h_fr.T, dy_rd, sizes_g, RAGGED_DW, implementation=implementation,
-                                    preferred_element_type=w_down_gfd.dtype)
-    return (dgu, typed_like(dw, w_down_gfd), np.zeros(sizes_g.shape, jax.dtypes.float0),
-            np.zeros(rows_1.shape, jax.dtypes.float0))
+    x_rd, gate, up, w_gate_gdf, w_up_gdf, w_down_gfd, sizes_g, rows_1 = res
+    f = gate.shape[1]
+
+    def ragged(lhs: jax.Array, rhs: jax.Array, dims: Any, dtype: Any) -> jax.Array:
+        return tokamax.ragged_dot_general(lhs, rhs, sizes_g, dims, implementation=implementation,
+                                          preferred_element_type=dtype)
+
+    dh = typed_like(ragged(dy_rd, w_down_gfd, RAGGED_DX, gate.dtype), gate)
+    dgu, h_fr = _call(partial(_backward_body, side_by_side=True, transposed=True), KERNEL_NAMES[1], rows_1,
+                      (gate, up, dh), ("r2f", "fr"))
+    x_dr = _call(_transpose_body, KERNEL_NAMES[2], rows_1, (x_rd,), ("fr",))[0]
+    # tokamax transposes its weight gradient's rows first ([F, R], [D, R]): the transpose of a
+    # transpose is no op for XLA, so the kernels' transposed results are read as they lie.
+    dw_down = ragged(h_fr.T, dy_rd, RAGGED_DW, w_down_gfd.dtype)
+    dw_gu = ragged(x_dr.T, dgu, RAGGED_DW, w_gate_gdf.dtype)
+    dx = ragged(dgu, jnp.concatenate([w_gate_gdf, w_up_gdf], axis=-1), RAGGED_DX, x_rd.dtype)
+    return (typed_like(dx, x_rd), typed_like(dw_gu[..., :f], w_gate_gdf),
+            typed_like(dw_gu[..., f:], w_up_gdf), typed_like(dw_down, w_down_gfd),
+            np.zeros(sizes_g.shape, jax.dtypes.float0), np.zeros(rows_1.shape, jax.dtypes.float0))
 
 
-_swiglu_down.defvjp(_swiglu_down_fwd, _swiglu_down_bwd)
+_swiglu_ffn.defvjp(_swiglu_ffn_fwd, _swiglu_ffn_bwd)

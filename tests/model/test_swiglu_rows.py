@@ -102,14 +102,13 @@ def test_grouped_ffn_with_the_kernel_equals_xla() -> None:
         assert np.abs(a - b).max() <= 1e-6 * np.abs(a).max()
 
 
-def test_hopper_ops_equal_tokamax_and_the_activation_apart() -> None:
-    """Hopper's two ops, `gate_up` (gate and up one GEMM; its backward transposes the rows in use by
-    the kernel, input gradient unmasked) then `swiglu_down` (the activation and the down projection;
-    its backward kernel writes d gate and d up side by side and the activation transposed), against
-    three tokamax GEMMs and XLA's activation with JAX's autodiff, tokamax's XLA implementation on
-    CPU: value, the input gradient on the rows in the groups, all three weights' gradients, fp32
-    (<= 1e-6 relative; the kernels' unwritten rows past the groups are NaN in the interpreter and
-    reach nothing)."""
+def test_hopper_op_equals_tokamax_and_the_activation_apart() -> None:
+    """Hopper's one op, `swiglu_ffn` (its backward kernel writes d gate and d up side by side and the
+    activation transposed, a kernel transposes the rows in use, the input gradient is one GEMM,
+    unmasked), against three tokamax GEMMs and XLA's activation with JAX's autodiff, tokamax's XLA
+    implementation on CPU: value, the input gradient on the rows in the groups, all three weights'
+    gradients, fp32 (<= 1e-6 relative; the kernels' unwritten rows past the groups are NaN in the
+    interpreter and reach nothing)."""
     from farskip_jax.model.grouped_matmul import tokamax_ragged_dot
 
     rng = np.random.default_rng(0)
@@ -128,8 +127,7 @@ def test_hopper_ops_equal_tokamax_and_the_activation_apart() -> None:
         return jnp.sum(jnp.where(in_groups, y * ct, 0.0))
 
     def hopper(x, wg, wu, wd):
-        gu = sr.gate_up(x, wg, wu, sizes, implementation="xla")
-        y = sr.swiglu_down(gu, wd, sizes, implementation="xla")
+        y = sr.swiglu_ffn(x, wg, wu, wd, sizes, implementation="xla")
         return jnp.sum(jnp.where(in_groups, y * ct, 0.0))
 
     want = jax.value_and_grad(plain, argnums=(0, 1, 2, 3))(x, w_gate, w_up, w_down)
@@ -145,11 +143,11 @@ def test_hopper_ops_equal_tokamax_and_the_activation_apart() -> None:
 
 @pytest.mark.parametrize("rows", [0, 1, 128, 200, 512])
 def test_transpose_kernel_writes_the_blocks_in_use(rows: int) -> None:
-    """`gate_up`'s backward transposes its rows by the kernel: every 128-row block that starts before
+    """`swiglu_ffn`'s backward transposes its rows by the kernel: every 128-row block that starts before
     the row count is the exact transpose, every block past it unwritten (NaN in the interpreter)."""
     x = jnp.asarray(np.random.default_rng(1).normal(size=(512, 256)), jnp.bfloat16)
     x_t = np.asarray(sr._call(sr._transpose_body, sr.KERNEL_NAMES[2], jnp.asarray([rows], jnp.int32),
-                              ((x, "rf"),), ("fr",))[0], np.float32)
+                              (x,), ("fr",))[0], np.float32)
     written = -(-rows // 128) * 128
     np.testing.assert_array_equal(x_t[:, :written], np.asarray(x, np.float32).T[:, :written])
     assert np.isnan(x_t[:, written:]).all()
@@ -183,10 +181,11 @@ def test_h200_runs_the_kernels_and_no_op_passes_over_the_whole_buffer() -> None:
     """Deviceless Hopper, `expert_swiglu: auto` with tokamax's grouped GEMMs, one tiny EP=8 MoE
     layer, forward and backward: the activation's kernels and the transpose kernel over the receive
     buffer's rows; tokamax's weight-gradient kernels read the two transposed results ([F, R]
-    activation, [D, R] rows) as they lie; and no XLA op transposes, copies or adds over a whole
+    activation, [D, R] rows) as they lie; no XLA op transposes, copies or adds over a whole
     [R, D] or [R, F] buffer (with the activation and the GEMM apart there was a transpose of the
     activation, K29; with gate and up two GEMMs an add of their input gradients and a transpose of
-    the rows, K30)."""
+    the rows, K30); and gate's and up's weights are joined in the backward only (a teacher's
+    forward never pays for it: K30)."""
     pytest.importorskip("jax_plugins.xla_cuda13", reason="jax-cuda13-pjrt not installed")
     import re
 
@@ -232,6 +231,10 @@ def test_h200_runs_the_kernels_and_no_op_passes_over_the_whole_buffer() -> None:
         assert re.search(rf"custom-call\([^\n]*%{re.escape(taken.group(1))}[,)][^\n]*mosaic_gpu_v2", hlo), t
     for shape in (f"bf16[{rows},{d}]", f"bf16[{rows},{f}]", f"bf16[{rows},{2 * f}]"):
         assert not re.findall(rf"= {re.escape(shape)}\S* (?:transpose|fusion|copy|add|select)\(", hlo), shape
+    # the routed experts' (2 per device; not the shared ones), joined or joined and transposed
+    joined = [name for name in re.findall(rf"= bf16\[2,(?:{d},{2 * f}|{2 * f},{d})\]\S* \w+\("
+                                          r'[^\n]*op_name="([^"]*)"', hlo) if "shard_map/experts" in name]
+    assert joined and all("transpose(jvp" in name for name in joined), joined
 
 
 ROCM_SCRIPT = r"""

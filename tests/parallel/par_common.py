@@ -121,17 +121,12 @@ def emulated_swiglu_call(body, name: str, rows_1: jax.Array, operands: tuple, re
     held them). The kernels themselves are checked against XLA in tests/model/test_swiglu_rows.py."""
     from farskip_jax.model import swiglu_rows
 
-    arrays = [a for a, _ in operands]
     if name == swiglu_rows.KERNEL_NAMES[2]:  # the rows transposed: [R, D] -> [D, R]
-        (x,) = arrays
+        (x,) = operands
         block_r, _ = swiglu_rows._blocks(*x.shape)
         outs, gate = (x,), x
     else:
-        if operands[0][1] == "r2f":
-            gate, up = jnp.split(arrays[0], 2, axis=-1)
-            rest = arrays[1:]
-        else:
-            gate, up, *rest = arrays
+        gate, up, *rest = operands
         block_r, _ = swiglu_rows._blocks(*gate.shape)
         g, u = gate.astype(jnp.float32), up.astype(jnp.float32)
         s = jax.nn.sigmoid(g)

@@ -265,9 +265,9 @@ def test_ragged_exchange_never_reads_unwritten_rows(ckpt, one_device, monkeypatc
     padded; tokamax's: tests/model/test_grouped_matmul.py), flat or node-aware. With the activation
     kernel (model/swiglu_rows.py; its math in jnp here, `emulated_swiglu_call`) the rows past the
     groups' blocks of its result and of both its gradients are NaN too: nothing reads them either.
-    With tokamax's grouped GEMMs (Hopper's composition, `gate_up` then `swiglu_down`, tokamax's XLA
-    implementation here) so are the kernels' rows past the groups of d gate and d up side by side,
-    of the activation and the rows transposed, and the unmasked input gradient's rows."""
+    With tokamax's grouped GEMMs (Hopper's one op, `swiglu_ffn`, tokamax's XLA implementation here)
+    so are the kernels' rows past the groups of d gate and d up side by side, of the activation and
+    the rows transposed, and the unmasked input gradient's rows."""
     from farskip_jax.model import dispatch, schedule
 
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
@@ -275,9 +275,8 @@ def test_ragged_exchange_never_reads_unwritten_rows(ckpt, one_device, monkeypatc
     monkeypatch.setattr(schedule, "scratch_rows", lambda *a: uses.append(a[0]) or nan_scratch_rows(*a))
     monkeypatch.setattr(swiglu_rows, "_call",
                         lambda *a: kernel_calls.append(a[1]) or emulated_swiglu_call(*a))
-    if matmul == "tokamax":  # Hopper's ops, tokamax's CPU implementation (Mosaic GPU needs a GPU)
-        for op in ("gate_up", "swiglu_down"):
-            monkeypatch.setattr(dispatch, op, partial(getattr(swiglu_rows, op), implementation="xla"))
+    if matmul == "tokamax":  # Hopper's op, tokamax's CPU implementation (Mosaic GPU needs a GPU)
+        monkeypatch.setattr(dispatch, "swiglu_ffn", partial(swiglu_rows.swiglu_ffn, implementation="xla"))
     model = farskip_jax.from_pretrained(ckpt["dir"], exe=ExecutionConfig(ep_exchange="ragged",
                                                                          expert_matmul=matmul,
                                                                          expert_swiglu=swiglu))
