@@ -18,16 +18,15 @@ Kernels (`resolve_swiglu`, what `execution.expert_swiglu: auto` uses):
 
 - "pallas_triton": JAX's Pallas Triton backend, lowered to XLA's built-in Triton (the
   `__gpu$xla.gpu.triton` custom call; no triton package), on gfx942 (MI300X: the same device
-  description as the fused attention, model/attention_kernels.py) and Hopper. On Hopper
-  tokamax's three grouped GEMMs and the kernels are one op (`swiglu_ffn`), so that no XLA op passes
-  over the whole buffer: tokamax's weight-gradient kernel reads its rows transposed, and XLA
-  transposed the activation (6.0 ms per 8-H200 step, which ate the kernel's gain: K29) and the
-  receive buffer over every row, and added the gate and up GEMMs' input gradients there. Its
-  backward kernel writes the activation transposed and d gate, d up side by side (one GEMM's input
-  for the input gradient), and a third kernel transposes the receive buffer's rows, all over the
-  rows in use (K30). On CPU the kernels run in
-  Pallas' interpreter, which leaves the unwritten rows NaN: how the tests check that no consumer
-  reads them.
+  description as the fused attention, model/attention_kernels.py) and Hopper. On Hopper tokamax's
+  three grouped GEMMs and the kernels are one op (`swiglu_ffn`), so that no XLA op passes over the
+  whole buffer: tokamax's weight-gradient kernel reads its rows transposed, and XLA transposed the
+  activation (6.0 ms per 8-H200 step, which ate the kernel's gain: K29) and the receive buffer over
+  every row, and added the gate and up GEMMs' input gradients there. Its backward kernel writes the
+  activation transposed and d gate, d up side by side (one GEMM's input for the input gradient),
+  and a third kernel transposes the receive buffer's rows, all over the rows in use (K30). On CPU
+  the kernels run in Pallas' interpreter, which leaves the unwritten rows NaN: how the tests check
+  that no consumer reads them.
 - "xla": `jax.nn.silu(gate) * up`, every row (CPU, the padded and blocked grouped matmuls, which
   compute every row or give 0 past the groups).
 
