@@ -121,13 +121,12 @@ def emulated_swiglu_call(body, name: str, rows_1: jax.Array, operands: tuple, re
     held them). The kernels themselves are checked against XLA in tests/model/test_swiglu_rows.py."""
     from farskip_jax.model import swiglu_rows
 
+    first = operands[0]  # every operand is [R, F]
+    block_r, _ = swiglu_rows._blocks(*first.shape)
     if name == swiglu_rows.KERNEL_NAMES[2]:  # the rows transposed: [R, D] -> [D, R]
-        (x,) = operands
-        block_r, _ = swiglu_rows._blocks(*x.shape)
-        outs, gate = (x,), x
+        outs = (first,)
     else:
         gate, up, *rest = operands
-        block_r, _ = swiglu_rows._blocks(*gate.shape)
         g, u = gate.astype(jnp.float32), up.astype(jnp.float32)
         s = jax.nn.sigmoid(g)
         if name == swiglu_rows.KERNEL_NAMES[0]:
@@ -137,9 +136,9 @@ def emulated_swiglu_call(body, name: str, rows_1: jax.Array, operands: tuple, re
             dgate, dup = dh * u * s * (1.0 + g * (1.0 - s)), dh * g * s
             outs = ((jnp.concatenate([dgate, dup], -1),) if results[0] == "r2f" else (dgate, dup))
             outs += (g * s * u,) if "fr" in results else ()
-    first_r = jnp.arange(gate.shape[0], dtype=jnp.int32) // block_r * block_r
+    first_r = jnp.arange(first.shape[0], dtype=jnp.int32) // block_r * block_r
     written = (first_r < rows_1[0])[:, None]
-    outs = tuple(jnp.where(written, o, jnp.nan).astype(gate.dtype) for o in outs)
+    outs = tuple(jnp.where(written, o, jnp.nan).astype(first.dtype) for o in outs)
     return tuple(o.T if lay == "fr" else o for o, lay in zip(outs, results, strict=True))
 
 
